@@ -1,0 +1,89 @@
+"""Stage 1 (Dynamo graph, torch IR): F.scaled_dot_product_attention → sage.attention, where supported.
+
+Runs before AOTAutograd, so sage.attention's decomposition (the prep in aten + the quantized op) is
+traced with the rest of the graph and Inductor fuses the prep into whatever produced q, k and v.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from sage_compile import spec
+from sage_compile.config import SageConfig
+from sage_compile.sites import Site, SiteReport, UnsupportedAttentionError, site_name
+from sage_compile.support import AttentionCall, causal_mode, unsupported_reason
+
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """Mirror of F.scaled_dot_product_attention's signature (a builtin has none to inspect)."""
+
+
+_SIGNATURE = inspect.signature(_sdpa_signature)
+
+
+def _value(arg):
+    """Fake tensor (or constant) behind a graph argument."""
+    if isinstance(arg, torch.fx.Node):
+        return arg.meta.get("example_value", arg.meta.get("val"))
+    return arg
+
+
+def normalize_sdpa_args(node: torch.fx.Node) -> dict:
+    bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def is_sdpa(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
+    seen: dict = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not is_sdpa(node):
+            continue
+        args = normalize_sdpa_args(node)
+        call = AttentionCall(*(_value(args[name]) for name in _SIGNATURE.parameters))
+        reason = unsupported_reason(call, config, torch.is_grad_enabled())
+        name = site_name(node, seen)
+        report.add(_site(name, call, reason, config))
+        if reason is not None:
+            if config.fallback == "error":
+                raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}")
+            continue
+        _replace(gm.graph, node, args, config)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig) -> None:
+    kwargs = dict(scale=args["scale"], causal=causal_mode(args["is_causal"]), **config.op_kwargs())
+    with graph.inserting_before(node):
+        new = graph.call_function(torch.ops.sage.attention.default,
+                                  (args["query"], args["key"], args["value"]), kwargs)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _site(name: str, call: AttentionCall, reason, config: SageConfig) -> Site:
+    from sage_compile import dispatch
+
+    kernel = None
+    if reason is None:
+        padded = spec.padded_head_dim(int(call.q.shape[-1]))
+        kernel, _ = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
+    shapes = call.shapes() if isinstance(call.q, torch.Tensor) else "?"
+    dtype = str(call.q.dtype).replace("torch.", "") if isinstance(call.q, torch.Tensor) else "?"
+    causal = spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?"
+    return Site(name, reason is None, reason or "", shapes, dtype, causal, kernel, "sdpa")

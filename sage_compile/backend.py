@@ -1,0 +1,74 @@
+"""The ``sage`` torch.compile backend: stage-1 rewrite, then Inductor with our stage-2 passes.
+
+``sage_backend`` is the target of the ``torch_dynamo_backends`` entry point (setup metadata), so
+``torch.compile(model, backend="sage")`` works after ``pip install`` without importing us.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .config import SageConfig
+from .sites import SiteReport
+
+log = logging.getLogger("sage_compile")
+_report_sinks: List[List[SiteReport]] = []
+
+
+@contextlib.contextmanager
+def collect_reports():
+    """Collect the SiteReport of every graph compiled inside the block (used by explain)."""
+    sink: List[SiteReport] = []
+    _report_sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _report_sinks.remove(sink)
+
+
+def sage_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
+                 options: Optional[Dict[str, Any]] = None):
+    from . import ops  # noqa: F401  (registers sage::attention / sage::quantized_attention)
+    from .passes import run_stage1
+
+    config, inductor_options = SageConfig.from_options(options)
+    report = SiteReport()
+    gm = run_stage1(gm, config, report)
+    for sink in _report_sinks:
+        sink.append(report)
+    if report.sites:
+        log.info("sage: %s", report.table())
+    return compile_inner(gm, example_inputs, config, mode, inductor_options)
+
+
+def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options):
+    if config.inner_backend == "eager":
+        return gm.forward
+    if config.inner_backend == "aot_eager":
+        if inductor_options:
+            raise ValueError(f"options {sorted(inductor_options)} are unknown to SageConfig "
+                             f"and inner_backend='aot_eager' takes none")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, inductor_options))
+
+
+def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: Dict[str, Any]) -> Dict[str, Any]:
+    """mode= and the non-sage options= as Inductor config patches, plus our stage-2 passes."""
+    from torch._inductor import list_mode_options
+
+    from .passes import stage2_patches
+
+    patches: Dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
+    patches.update(inductor_options)
+    for key, value in stage2_patches(config).items():
+        if key in patches:
+            raise ValueError(f"options[{key!r}] is used by sage_compile's own passes")
+        patches[key] = value
+    return patches

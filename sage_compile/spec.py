@@ -1,0 +1,309 @@
+"""The numerics spec, in plain PyTorch: the one definition every implementation is tested against.
+
+Two halves, matching the two ops:
+
+* ``prepare`` — smoothing, quantization and layout (DESIGN.md spec steps 1–3, 5 for V). It is traceable
+  aten code: ``sage.attention`` decomposes into exactly this, so Inductor fuses it into the producers.
+* ``quantized_attention_reference`` — the kernel contract (steps 4–7), written as a blockwise loop over
+  key blocks so that it reproduces the online softmax and the two-level accumulation of a real kernel.
+
+Rounding choices that make the CPU kernel agree bit-for-bit (see tests/test_cpu_kernel.py):
+* every narrowing cast is clamped first, then rounded half-to-even (torch casts for int8, e4m3, fp16);
+* one key block's P̂·V̂ is summed in float64, which is *exact* for e4m3·e4m3 products
+  (each product spans 2^-18..2^17.6 with 8 significant bits; 128 of them fit in 53 bits), then rounded
+  once to fp32 — so the result does not depend on summation order;
+* exp2 is evaluated in float64 and rounded to fp32; row sums of P̃ likewise;
+* no fused multiply-adds: ``a * b + c`` is two roundings.
+A GPU kernel's fast exp2 and its ~22-bit FP8 accumulator differ from this by far less than the
+quantization error; GPU tests use a tolerance for that.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LOG2E = math.log2(math.e)
+P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
+E4M3_MAX = 448.0
+REFERENCE_BLOCK_N = 64  # key block of the reference's online softmax (the CPU kernel uses the same)
+
+CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
+CAUSAL_NAMES = {CAUSAL_NONE: "none", CAUSAL_TOP_LEFT: "top_left", CAUSAL_BOTTOM_RIGHT: "bottom_right"}
+
+QK_LEVELS = {"int8": 127, "int4": 7}
+PV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}
+GRANULARITIES = ("per_token", "per_block")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What ``prepare`` does; the config fields that change numerics, nothing else."""
+
+    qk: str = "int8"
+    q_granularity: str = "per_token"
+    k_granularity: str = "per_token"
+    q_block: int = 128  # tokens per Q group for per_block scales and for Q smoothing
+    k_block: int = 64
+    smooth_k: bool = True
+    smooth_q: bool = False
+    smooth_v: bool = False
+    pv: str = "fp8"
+
+    def __post_init__(self):
+        _check_choice("qk", self.qk, QK_LEVELS)
+        _check_choice("pv", self.pv, PV_DTYPES)
+        _check_choice("q_granularity", self.q_granularity, GRANULARITIES)
+        _check_choice("k_granularity", self.k_granularity, GRANULARITIES)
+        for name in ("q_block", "k_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive int")
+        if self.qk == "int4" and not self.smooth_q:
+            raise ValueError("qk='int4' needs smooth_q=True (4-bit Q is unusable without smoothing)")
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {sorted(allowed)}")
+
+
+def padded_head_dim(d: int) -> int:
+    """Head dim the kernels see: a power of two ≥ 32 (zero channels change no score or output)."""
+    return max(32, 1 << (d - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------------
+# Prep (steps 1–3 and V): traceable, used verbatim by the sage.attention decomposition.
+# --------------------------------------------------------------------------------------------------
+def group_amax(x: torch.Tensor, granularity: str, block: int) -> torch.Tensor:
+    """amax|x| per token ([..., N, D] → [..., N]); per_block repeats the block's amax on its tokens."""
+    token_amax = x.abs().amax(dim=-1)
+    if granularity == "per_token":
+        return token_amax
+    n = token_amax.shape[-1]
+    padded = torch.nn.functional.pad(token_amax, (0, (-n) % block))
+    blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    return blocks.repeat_interleave(block, dim=-1)[..., :n]
+
+
+def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
+    """x̂ = clamp(round_half_even(x/δ), ±levels), δ = amax/levels; returns (int8 x̂, fp32 δ)."""
+    delta = amax.clamp_min(torch.finfo(torch.float32).tiny) / levels
+    xq = torch.round(x / delta.unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
+    return xq, delta
+
+
+def quantize_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_pv_operand(x: torch.Tensor, pv: str) -> torch.Tensor:
+    """Values already scaled into ±448; rounded to the PV operand type (e4m3 or fp16)."""
+    x = x.clamp(-E4M3_MAX, E4M3_MAX)
+    return x.to(PV_DTYPES[pv])
+
+
+def token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 mean over tokens ([B,H,N,D] → [B,H,1,D]); with kv_lens, over each batch's valid keys only."""
+    x = x.float()
+    if kv_lens is None:
+        return x.mean(dim=-2, keepdim=True)
+    valid = valid_key_mask(kv_lens, x.shape[-2]).to(x.dtype)[:, None, :, None]
+    count = kv_lens.to(x.dtype).clamp_min(1)[:, None, None, None]
+    return (x * valid).sum(dim=-2, keepdim=True) / count
+
+
+def valid_key_mask(kv_lens: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n, device=kv_lens.device)[None, :] < kv_lens[:, None]
+
+
+@dataclass
+class Prepared:
+    """The quantized op's inputs (its contract), as the sm90 kernel wants them."""
+
+    q: torch.Tensor  # int8 [B,Hq,Nq,Dp]
+    q_scale: torch.Tensor  # fp32 [B,Hq,Nq], includes scale·log2(e)
+    k: torch.Tensor  # int8 [B,Hkv,Nk,Dp]
+    k_scale: torch.Tensor  # fp32 [B,Hkv,Nk]
+    v: torch.Tensor  # e4m3 (or fp16) [B,Hkv,Dp,Nk_pad16], V transposed: K-major B operand of PV
+    v_scale: torch.Tensor  # fp32 [B,Hkv,Dp]
+    v_mean: Optional[torch.Tensor]  # fp32 [B,Hkv,Dp] or None
+    delta_s: Optional[torch.Tensor]  # fp32 [B,Hq,ceil(Nq/q_block),Nk], base-2 score units, or None
+    q_group: int  # Q tokens per delta_s row
+    lse_shift: Optional[torch.Tensor]  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    quant: Quantization,
+    kv_lens: Optional[torch.Tensor] = None,
+    want_lse: bool = False,
+) -> Prepared:
+    """Steps 1–3 and V of the spec. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D], any strides, bf16/fp16/fp32."""
+    d = q.shape[-1]
+    pad = padded_head_dim(d) - d
+    levels = QK_LEVELS[quant.qk]
+    score_scale = scale * LOG2E
+
+    k_mean = token_mean(k, kv_lens)  # step 1
+    if not quant.smooth_k:
+        k_mean = torch.zeros_like(k_mean)
+    k_smooth = k.float() - k_mean
+    qf = q.float()
+    delta_s = None
+    if quant.smooth_q:  # step 2: per Q group mean; ΔS restores the scores of the unsmoothed q
+        q_mean = _block_mean(qf, quant.q_block)
+        qf = qf - q_mean.repeat_interleave(quant.q_block, dim=-2)[..., : q.shape[-2], :]
+        delta_s = _grouped_matmul(q_mean, k_smooth.transpose(-1, -2)) * score_scale
+
+    q_amax = group_amax(qf, quant.q_granularity, quant.q_block)  # step 3
+    k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block)
+    q8, q_delta = quantize_symmetric(qf, q_amax, levels)
+    k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
+
+    vf = v.float()
+    v_mean = None
+    if quant.smooth_v:
+        v_mean4 = token_mean(v, kv_lens)
+        vf = vf - v_mean4
+        v_mean = torch.nn.functional.pad(v_mean4.squeeze(-2), (0, pad))
+    if kv_lens is not None:  # padded keys must not set δV
+        vf = vf * valid_key_mask(kv_lens, v.shape[-2]).to(vf.dtype)[:, None, :, None]
+    v_delta = vf.abs().amax(dim=-2).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
+    v_hat = quantize_pv_operand(vf / v_delta.unsqueeze(-2), quant.pv)
+    n_k = v.shape[-2]
+    v_t = torch.nn.functional.pad(v_hat.transpose(-1, -2), (0, (-n_k) % 16, 0, pad)).contiguous()
+
+    lse_shift = None
+    if want_lse:
+        lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
+    return Prepared(
+        q=torch.nn.functional.pad(q8, (0, pad)),
+        q_scale=q_delta * score_scale,
+        k=torch.nn.functional.pad(k8, (0, pad)),
+        k_scale=k_delta,
+        v=v_t,
+        v_scale=torch.nn.functional.pad(v_delta, (0, pad), value=1.0),
+        v_mean=v_mean,
+        delta_s=delta_s,
+        q_group=quant.q_block,
+        lse_shift=lse_shift,
+    )
+
+
+def _block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean over consecutive groups of ``block`` tokens ([B,H,N,D] → [B,H,ceil(N/block),D])."""
+    n = x.shape[-2]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, (-n) % block))
+    sums = padded.unflatten(-2, (-1, block)).sum(dim=-2)
+    starts = torch.arange(sums.shape[-2], device=x.device) * block
+    counts = (n - starts).clamp(max=block).to(x.dtype)
+    return sums / counts[:, None]
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B,Hq,M,D] @ b [B,Hkv,D,N] with Hq a multiple of Hkv (GQA), without copying b."""
+    batch, hq = a.shape[0], a.shape[1]
+    hkv = b.shape[1]
+    out = a.unflatten(1, (hkv, hq // hkv)) @ b.unsqueeze(2)
+    return out.flatten(1, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel contract (steps 4–7): the oracle for every sage.quantized_attention implementation.
+# --------------------------------------------------------------------------------------------------
+def causal_allowed(n_q: int, n_k: int, causal: int, device=None) -> Optional[torch.Tensor]:
+    """Boolean [Nq, Nk] of allowed (query, key) pairs, or None when not causal."""
+    if causal == CAUSAL_NONE:
+        return None
+    offset = 0 if causal == CAUSAL_TOP_LEFT else n_k - n_q
+    rows = torch.arange(n_q, device=device)[:, None]
+    cols = torch.arange(n_k, device=device)[None, :]
+    return cols <= rows + offset
+
+
+def exp2_fp32(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(x.double()).float()
+
+
+def quantized_attention_reference(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_mean: Optional[torch.Tensor],
+    delta_s: Optional[torch.Tensor],
+    kv_lens: Optional[torch.Tensor],
+    q_group: int,
+    causal: int,
+    head_dim: int,
+    out_dtype: torch.dtype,
+    block_n: int = REFERENCE_BLOCK_N,
+):
+    """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores)."""
+    batch, hq, n_q, dp = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    group = hq // hkv
+    dev = q.device
+    qi = q.to(torch.int32)
+    ki = k.to(torch.int32).repeat_interleave(group, dim=1)  # the oracle may copy; kernels must not
+    ks = k_scale.repeat_interleave(group, dim=1)
+    vt = v[..., :n_k].to(torch.float64).repeat_interleave(group, dim=1)  # [B,Hq,Dp,Nk]
+    allowed = causal_allowed(n_q, n_k, causal, dev)
+    key_valid = valid_key_mask(kv_lens, n_k) if kv_lens is not None else None
+
+    m = torch.full((batch, hq, n_q), -math.inf, device=dev)
+    l = torch.zeros((batch, hq, n_q), device=dev)
+    o32 = torch.zeros((batch, hq, n_q, dp), device=dev)
+    for start in range(0, n_k, block_n):
+        cols = slice(start, min(start + block_n, n_k))
+        dots = (qi @ ki[:, :, cols].transpose(-1, -2)).float()  # exact int32 → fp32 (|dot| < 2^24)
+        s = dots * q_scale.unsqueeze(-1) * ks[:, :, None, cols]
+        if delta_s is not None:
+            rows_group = torch.arange(n_q, device=dev) // q_group
+            s = s + delta_s[:, :, rows_group, cols]
+        if allowed is not None:
+            s = s.masked_fill(~allowed[:, cols], -math.inf)
+        if key_valid is not None:
+            s = s.masked_fill(~key_valid[:, None, None, cols], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        p = exp2_fp32(s - m_safe.unsqueeze(-1))  # P̃ ∈ [0, 1]
+        alpha = exp2_fp32(m - m_safe)
+        l = l * alpha + p.double().sum(dim=-1).float()
+        p_hat = quantize_pv_operand(p * P_SCALE, "fp8" if v.dtype == torch.float8_e4m3fn else "fp16")
+        acc = (p_hat.double() @ vt[..., cols].transpose(-1, -2)).float()  # exact, then one rounding
+        o32 = o32 * alpha.unsqueeze(-1) + acc
+        m = m_new
+
+    has_keys = l > 0
+    inv = torch.where(has_keys, 1.0 / (l * P_SCALE), torch.zeros_like(l))
+    vs = v_scale.repeat_interleave(group, dim=1)
+    out = o32 * inv.unsqueeze(-1) * vs.unsqueeze(-2)
+    if v_mean is not None:
+        vm = v_mean.repeat_interleave(group, dim=1)
+        out = out + torch.where(has_keys.unsqueeze(-1), vm.unsqueeze(-2), torch.zeros_like(out))
+    lse = torch.where(has_keys, (m + torch.log2(l)) / LOG2E, torch.full_like(l, -math.inf))
+    return out[..., :head_dim].to(out_dtype), lse
+
+
+def reference_attention(
+    q, k, v, scale=None, causal: int = CAUSAL_NONE, quant: Quantization = Quantization(),
+    kv_lens=None, block_n: int = REFERENCE_BLOCK_N,
+):
+    """The whole spec end to end (prep + kernel contract), SDPA layout: out [B,Hq,Nq,D]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = prepare(q, k, v, scale, quant, kv_lens)
+    out, _ = quantized_attention_reference(
+        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
+        p.q_group, causal, q.shape[-1], q.dtype, block_n=block_n,
+    )
+    return out

@@ -1,0 +1,131 @@
+"""Which attention calls sage can run, and a reason a user can act on for the ones it cannot.
+
+Shared by the graph passes (on fake tensors) and the eager ``sage_attention`` (on real ones), so a site
+is judged the same way wherever it comes from. Every check is static: no guards, no recompiles.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import spec
+from .config import SageConfig
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class AttentionCall:
+    """One F.scaled_dot_product_attention call, normalized (tensors may be fake)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: object = None
+    dropout_p: object = 0.0
+    is_causal: object = False
+    scale: object = None
+    enable_gqa: object = False
+
+    def shapes(self) -> str:
+        return f"q{_shape(self.q)} k{_shape(self.k)} v{_shape(self.v)}"
+
+
+def _shape(t) -> str:
+    return "[" + ",".join(str(s) for s in t.shape) + "]"
+
+
+def unsupported_reason(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> Optional[str]:
+    """None when sage can run ``call`` exactly as SDPA means it; otherwise why not (one sentence)."""
+    for check in (_check_arguments, _check_tensors, _check_heads, _check_grad, _check_length, _check_kernel):
+        reason = check(call, config, grad_enabled)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _check_arguments(call, config, grad_enabled):
+    if call.attn_mask is not None:
+        return ("attn_mask is given: general masks and additive biases stay on SDPA "
+                "(use is_causal=True for causal attention)")
+    if not (isinstance(call.dropout_p, numbers.Number) and call.dropout_p == 0):
+        return f"dropout_p={call.dropout_p}: 8-bit attention has no dropout"
+    if not isinstance(call.is_causal, bool):
+        return f"is_causal is not a constant bool ({type(call.is_causal).__name__})"
+    if call.scale is not None and not isinstance(call.scale, (numbers.Number, torch.SymFloat)):
+        return f"scale is a {type(call.scale).__name__}, not a number"
+    if not isinstance(call.enable_gqa, bool):
+        return "enable_gqa is not a constant bool"
+    return None
+
+
+def _check_tensors(call, config, grad_enabled):
+    q, k, v = call.q, call.k, call.v
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "q, k, v are not all tensors"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"inputs are not 4-D [B, H, N, D] ({call.shapes()})"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
+    if not (q.device == k.device == v.device):
+        return f"q, k, v on different devices ({q.device}, {k.device}, {v.device})"
+    if q.dtype == torch.float32 and not config.allow_fp32:
+        return "float32 inputs stay on SDPA (set allow_fp32=True to quantize them)"
+    if q.dtype not in SUPPORTED_DTYPES + (torch.float32,):
+        return f"dtype {q.dtype} not supported (bfloat16, float16, float32 with allow_fp32)"
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return f"head dims differ ({call.shapes()}); sage needs one head dim for q, k and v"
+    if not 1 <= concrete(q.shape[-1]) <= MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} outside 1..{MAX_HEAD_DIM}"
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
+        return f"shapes do not form attention ({call.shapes()})"
+    return None
+
+
+def _check_heads(call, config, grad_enabled):
+    hq, hkv = concrete(call.q.shape[1]), concrete(call.k.shape[1])
+    if hq == hkv:
+        return None
+    if not call.enable_gqa:
+        return f"{hq} query heads vs {hkv} key heads without enable_gqa=True (SDPA rejects this too)"
+    if hq % hkv:
+        return f"query heads ({hq}) not a multiple of key/value heads ({hkv})"
+    return None
+
+
+def _check_grad(call, config, grad_enabled):
+    if grad_enabled and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return "inputs require grad: sage has no backward yet (8-bit training is on the roadmap)"
+    return None
+
+
+def _check_length(call, config, grad_enabled):
+    n_k = call.k.shape[-2]
+    if config.min_seq_len and isinstance(n_k, int) and n_k < config.min_seq_len:
+        return f"key length {n_k} < min_seq_len={config.min_seq_len}: SDPA is faster there"
+    return None
+
+
+def _check_kernel(call, config, grad_enabled):
+    from . import dispatch
+
+    padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
+    name, reasons = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
+    if name is None or (name == "reference" and call.q.device.type != "cpu"):
+        return f"no fast sage kernel for {call.q.device} ({reasons})"
+    return None
+
+
+def concrete(size) -> int:
+    """Head counts and head dims are fixed per model: specializing on them (a guard) is right.
+    Sequence lengths are never passed here, so they stay symbolic."""
+    return int(size)
+
+
+def causal_mode(is_causal: bool) -> int:
+    """SDPA's is_causal is top-left aligned (DESIGN.md); bottom-right is asked for explicitly."""
+    return spec.CAUSAL_TOP_LEFT if is_causal else spec.CAUSAL_NONE
