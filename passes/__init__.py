@@ -3,7 +3,9 @@
 Stage 1 runs on the Dynamo graph (torch IR) inside the backend, before AOTAutograd. Stage 2 passes run
 inside Inductor, handed over through ``compile_fx(config_patches=...)`` as CustomGraphPasses.
 """
+from .graph_pass import SagePass
 from .rewrite_sdpa import rewrite_sdpa
+from .rewrite_sdpa_variants import rewrite_sdpa_variants
 
 STAGE1 = (rewrite_sdpa,)
 
@@ -14,5 +16,6 @@ def run_stage1(gm, config, report):
     return gm
 
 
-def stage2_patches(config):
-    return {}
+def stage2_patches(config, report):
+    """Inductor config patches that install our stage-2 passes (one callable per hook: torch 2.11)."""
+    return {"joint_custom_post_pass": SagePass(rewrite_sdpa_variants, config, report)}

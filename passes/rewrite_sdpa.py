@@ -10,9 +10,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from sage_compile import spec
 from sage_compile.config import SageConfig
-from sage_compile.sites import Site, SiteReport, UnsupportedAttentionError, site_name
+from sage_compile.sites import SiteReport, UnsupportedAttentionError, describe_site, site_name
 from sage_compile.support import AttentionCall, causal_mode, unsupported_reason
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -53,7 +52,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
         call = AttentionCall(*(_value(args[name]) for name in _SIGNATURE.parameters))
         reason = unsupported_reason(call, config, torch.is_grad_enabled())
         name = site_name(node, seen)
-        report.add(_site(name, call, reason, config))
+        report.add(describe_site(name, call, reason, config, source="sdpa"))
         if reason is not None:
             if config.fallback == "error":
                 raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}")
@@ -74,16 +73,3 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: Sag
     new.meta.update(node.meta)
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-
-
-def _site(name: str, call: AttentionCall, reason, config: SageConfig) -> Site:
-    from sage_compile import dispatch
-
-    kernel = None
-    if reason is None:
-        padded = spec.padded_head_dim(int(call.q.shape[-1]))
-        kernel, _ = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
-    shapes = call.shapes() if isinstance(call.q, torch.Tensor) else "?"
-    dtype = str(call.q.dtype).replace("torch.", "") if isinstance(call.q, torch.Tensor) else "?"
-    causal = spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?"
-    return Site(name, reason is None, reason or "", shapes, dtype, causal, kernel, "sdpa")

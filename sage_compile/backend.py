@@ -38,13 +38,14 @@ def sage_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] =
     report = SiteReport()
     gm = run_stage1(gm, config, report)
     for sink in _report_sinks:
-        sink.append(report)
+        sink.append(report)  # stage-2 sites are added while compile_inner runs
+    compiled = compile_inner(gm, example_inputs, config, mode, inductor_options, report)
     if report.sites:
         log.info("sage: %s", report.table())
-    return compile_inner(gm, example_inputs, config, mode, inductor_options)
+    return compiled
 
 
-def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options):
+def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options, report: SiteReport):
     if config.inner_backend == "eager":
         return gm.forward
     if config.inner_backend == "aot_eager":
@@ -56,10 +57,11 @@ def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, inductor_options))
+    return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, inductor_options, report))
 
 
-def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: Dict[str, Any]) -> Dict[str, Any]:
+def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: Dict[str, Any],
+                     report: SiteReport) -> Dict[str, Any]:
     """mode= and the non-sage options= as Inductor config patches, plus our stage-2 passes."""
     from torch._inductor import list_mode_options
 
@@ -67,7 +69,7 @@ def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: 
 
     patches: Dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options)
-    for key, value in stage2_patches(config).items():
+    for key, value in stage2_patches(config, report).items():
         if key in patches:
             raise ValueError(f"options[{key!r}] is used by sage_compile's own passes")
         patches[key] = value

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import dispatch, spec
 from .kernels import KernelArgs
@@ -60,6 +61,8 @@ def _attention_decomposition(q, k, v, scale=None, causal=0, qk="int8", q_granula
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
     quant = spec.Quantization(qk=qk, q_granularity=q_granularity, k_granularity=k_granularity,
                               q_block=q_block, k_block=k_block, smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
+        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = spec.prepare(q, k, v, scale, quant, kv_lens)
     out, _ = torch.ops.sage.quantized_attention(

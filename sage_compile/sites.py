@@ -20,6 +20,28 @@ class Site:
     source: str  # which pass saw it
 
 
+def describe_site(name: str, call, reason: Optional[str], config, source: str) -> Site:
+    """A Site for an AttentionCall (tensors may be fake); the kernel is looked up only when replaced."""
+    from . import dispatch, spec
+    from .support import causal_mode
+
+    tensor = isinstance(call.q, torch.Tensor)
+    kernel = None
+    if reason is None:
+        padded = spec.padded_head_dim(int(call.q.shape[-1]))
+        kernel, _ = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
+    return Site(
+        name=name,
+        replaced=reason is None,
+        reason=reason or "",
+        shapes=call.shapes() if tensor else "?",
+        dtype=str(call.q.dtype).replace("torch.", "") if tensor else "?",
+        causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
+        kernel=kernel,
+        source=source,
+    )
+
+
 @dataclass
 class SiteReport:
     sites: List[Site] = field(default_factory=list)

@@ -1,0 +1,90 @@
+"""Stage 2 (joint graph, aten IR): SDPA *variant* nodes that stage 1 never saw → the sage decomposition.
+
+They come from attention Inductor's own fuse_attention recognised in hand-written code (softmax(QKᵀ)V),
+which runs just before ``joint_custom_post_pass``; by then SDPA has become a backend-specific op whose
+output is read through ``getitem``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx.operator_schemas import normalize_function
+
+from sage_compile.config import SageConfig
+from sage_compile.sites import SiteReport, UnsupportedAttentionError, describe_site
+from sage_compile.support import AttentionCall, causal_mode, unsupported_reason
+
+aten = torch.ops.aten
+# op → name of its mask argument (None: the op takes no mask)
+SDPA_VARIANTS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+    aten._scaled_dot_product_flash_attention.default: None,
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+}
+
+
+def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: SiteReport) -> None:
+    index = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA_VARIANTS:
+            continue
+        name = f"{node.target.__name__.split('.')[0]}#{index}"
+        index += 1
+        call, reason = _analyse(node)
+        if reason is None:
+            reason = unsupported_reason(call, config, grad_enabled=False)
+        report.add(describe_site(name, call, reason, config, source="inductor-sdpa"))
+        if reason is not None:
+            if config.fallback == "error":
+                raise UnsupportedAttentionError(f"sage: attention site {name}: {reason}")
+            continue
+        _replace(graph, node, call, config)
+
+
+def _analyse(node: torch.fx.Node):
+    kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    mask_name = SDPA_VARIANTS[node.target]
+    call = AttentionCall(
+        val(kwargs["query"]), val(kwargs["key"]), val(kwargs["value"]),
+        attn_mask=val(kwargs.get(mask_name)) if mask_name else None,
+        dropout_p=kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False),
+        scale=kwargs.get("scale"), enable_gqa=False,
+    )
+    call.nodes = (kwargs["query"], kwargs["key"], kwargs["value"])
+    used = {user.args[1] for user in node.users if user.target is operator.getitem}
+    if len(used) != len(node.users) or not used <= {0}:
+        return call, "more than the attention output is used (log-sum-exp or training state)"
+    return call, None
+
+
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, config: SageConfig) -> None:
+    from torch._inductor.pattern_matcher import fwd_only
+
+    kwargs = dict(scale=call.scale, causal=causal_mode(call.is_causal), **config.op_kwargs())
+
+    def decomposition(q, k, v):
+        return torch.ops.sage.attention(q, k, v, **kwargs)
+
+    sub = fwd_only(decomposition, [call.q, call.k, call.v])
+    env = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for placeholder, arg in zip(placeholders, call.nodes):
+        env[placeholder] = arg
+    result = None
+    with graph.inserting_before(node):
+        for sub_node in sub.graph.nodes:
+            if sub_node.op == "placeholder":
+                continue
+            if sub_node.op == "output":
+                result = env[sub_node.args[0][0] if isinstance(sub_node.args[0], (tuple, list)) else sub_node.args[0]]
+                continue
+            if sub_node.op == "get_attr":
+                raise RuntimeError("sage decomposition captured a constant; cannot inline it")
+            env[sub_node] = graph.node_copy(sub_node, lambda n: env[n])
+    for user in list(node.users):
+        user.replace_all_uses_with(result)
+        graph.erase_node(user)
+    graph.erase_node(node)

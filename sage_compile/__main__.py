@@ -1,0 +1,90 @@
+"""python -m sage_compile doctor | demo | bench"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def doctor(_args) -> int:
+    import torch
+
+    from . import dispatch, spec
+
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    for name, module in dispatch.available_kernels():
+        short = name.rsplit(".", 1)[-1]
+        print(f"kernel {short:10s} {'available' if module is not None else 'not built / not importable'}")
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    for device in devices:
+        label = str(device)
+        if device.type == "cuda":
+            cap = torch.cuda.get_device_capability(device)
+            label += f" {torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]}"
+        for head_dim in (64, 128):
+            kernel, reasons = dispatch.kernel_for_site(device, spec.padded_head_dim(head_dim), "fp8", torch.bfloat16)
+            print(f"{label}: head_dim {head_dim} bf16 → {kernel or 'SDPA (no sage kernel)'}  {reasons or ''}")
+    return 0
+
+
+def demo(args) -> int:
+    """A small transformer compiled with backend="sage" (found through the entry point)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .backend import collect_reports
+    from .demo_model import DemoTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = DemoTransformer(layers=args.layers).to(device=device, dtype=torch.bfloat16).eval()
+    x = torch.randn(2, args.seq_len, model.dim, device=device, dtype=torch.bfloat16)
+    print(f"demo: {args.layers}-layer transformer (dim {model.dim}, {model.heads} heads, GQA in odd layers, "
+          f"causal in every other layer), x {tuple(x.shape)} bf16 on {device}")
+    start = time.perf_counter()
+    with torch.no_grad(), collect_reports() as reports:
+        compiled = torch.compile(model, backend="sage")
+        out = compiled(x)
+    compile_s = time.perf_counter() - start
+    with torch.no_grad():
+        eager = model(x)
+        fp32 = model.float()(x.float())
+    for report in reports:
+        print(report.table())
+    replaced = sum(len(r.replaced) for r in reports)
+
+    def compare(ref):
+        a, b = out.float().flatten(), ref.float().flatten()
+        return F.cosine_similarity(a, b, dim=0).item(), ((a - b).abs().sum() / b.abs().sum()).item()
+
+    for label, ref in (("eager bf16 SDPA", eager), ("fp32 SDPA", fp32)):
+        cos, rel = compare(ref)
+        print(f"vs {label:16s}: cosine {cos:.6f}  relative L1 {rel:.5f}")
+    print(f"{replaced} of {args.layers} attention sites replaced; compile + first call {compile_s:.1f} s")
+    return 0 if replaced == args.layers else 1
+
+
+def bench(args) -> int:
+    try:
+        from bench import kernel_bench
+    except ImportError:
+        print("bench/ is not importable: run `python -m sage_compile bench` from the repository root")
+        return 2
+    return kernel_bench.main(args.rest)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sage_compile")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="which kernels are built and which one each device gets")
+    d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--seq-len", type=int, default=256)
+    b = sub.add_parser("bench", help="kernel and end-to-end benchmarks (GPU)")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

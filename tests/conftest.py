@@ -1,0 +1,32 @@
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*slow pure-PyTorch reference kernel.*")
+        yield
+    torch._dynamo.reset()

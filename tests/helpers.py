@@ -1,0 +1,42 @@
+"""Shared test helpers: comparisons and input generators (never zeros)."""
+import torch
+from hypothesis import strategies as st
+
+HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def rel_l1(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().sum() / b.abs().sum()).item()
+
+
+def random_qkv(batch, hq, hkv, n_q, n_k, d, dtype=torch.bfloat16, seed=0, layout="bhnd", k_bias=0.0):
+    """Random q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D]; layout "bnhd" returns transposed views of [B,N,H,D]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h, n, bias=0.0):
+        if layout == "bnhd":
+            t = torch.randn(batch, n, h, d, generator=g).transpose(1, 2)
+        else:
+            t = torch.randn(batch, h, n, d, generator=g)
+        return (t + bias).to(dtype)
+
+    channel_bias = k_bias * torch.linspace(-1, 1, d)
+    return make(hq, n_q), make(hkv, n_k, channel_bias), make(hkv, n_k)
+
+
+@st.composite
+def attention_shapes(draw, max_n=160, head_dims=HEAD_DIMS):
+    hkv = draw(st.integers(1, 3))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        hkv=hkv,
+        hq=hkv * draw(st.integers(1, 3)),
+        n_q=draw(st.sampled_from([1, 2, 17, 63, 64, 65, 100, 129, max_n])),
+        n_k=draw(st.sampled_from([1, 3, 31, 64, 77, 128, 130, max_n])),
+        d=draw(st.sampled_from(head_dims)),
+    )

@@ -1,0 +1,130 @@
+"""The torch.library ops: schema/fake checks, decomposition == spec, errors, NaN and empty inputs."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import attention_shapes, random_qkv
+import sage_compile.ops  # noqa: F401  (registers torch.ops.sage)
+from sage_compile import spec
+
+
+def _prepared_args(q, k, v, quant, kv_lens=None, causal=0):
+    p = spec.prepare(q, k, v, q.shape[-1] ** -0.5, quant, kv_lens)
+    return (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, p.q_group,
+            causal, q.shape[-1], q.dtype)
+
+
+def test_opcheck_quantized_attention():
+    # fp16 PV: opcheck's schema test compares tensors with allclose, which fp8 tensors do not support
+    q, k, v = random_qkv(1, 4, 2, 33, 70, 64, seed=0)
+    quant = spec.Quantization(pv="fp16", smooth_q=True, smooth_v=True)
+    kv_lens = torch.tensor([50], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sage.quantized_attention, _prepared_args(q, k, v, quant, kv_lens, causal=1))
+    fp8 = _prepared_args(q, k, v, spec.Quantization())
+    torch.library.opcheck(torch.ops.sage.quantized_attention, fp8,
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_opcheck_attention():
+    q, k, v = random_qkv(2, 4, 2, 40, 40, 80, seed=1)
+    torch.library.opcheck(torch.ops.sage.attention, (q, k, v), {"causal": 1, "pv": "fp16"})
+
+
+def test_fake_output_matches_real_layout():
+    q, k, v = random_qkv(2, 4, 2, 40, 50, 64, seed=2)
+    args = _prepared_args(q, k, v, spec.Quantization())
+    real_out, real_lse = torch.ops.sage.quantized_attention(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake_out, fake_lse = torch.ops.sage.quantized_attention(*fake_args)
+    assert fake_out.shape == real_out.shape and fake_out.stride() == real_out.stride()
+    assert fake_out.device == q.device and fake_lse.shape == real_lse.shape
+    assert real_out.transpose(1, 2).is_contiguous()  # [B,N,H,D] memory: reshape to [B,N,H·D] is free
+
+
+@given(shape=attention_shapes(max_n=100), seed=st.integers(0, 2**16), causal=st.sampled_from([0, 1, 2]),
+       smooth_q=st.booleans(), smooth_v=st.booleans(), pv=st.sampled_from(["fp8", "fp16"]),
+       layout=st.sampled_from(["bhnd", "bnhd"]))
+def test_sage_attention_op_equals_the_spec(shape, seed, causal, smooth_q, smooth_v, pv, layout):
+    q, k, v = random_qkv(**shape, seed=seed, layout=layout)
+    quant = spec.Quantization(smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    out = torch.ops.sage.attention(q, k, v, causal=causal, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    ref = spec.reference_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, quant=quant)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_custom_scale_is_used():
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 64, seed=4)
+    a = torch.ops.sage.attention(q, k, v, scale=0.05)
+    b = torch.ops.sage.attention(q, k, v)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.05)
+    assert (a.float() - exact).abs().mean() < (b.float() - exact).abs().mean() / 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q=torch.randn(2, 4, 8, 64, dtype=torch.float16)), "dtypes differ"),
+    (dict(q=torch.randn(2, 3, 8, 64, dtype=torch.bfloat16)), "multiple of key/value heads"),
+    (dict(q=torch.randn(2, 4, 8, 32, dtype=torch.bfloat16)), "head dim"),
+    (dict(q=torch.randn(4, 8, 64, dtype=torch.bfloat16)), "4-D"),
+    (dict(v=torch.randn(2, 2, 9, 64, dtype=torch.bfloat16)), "shapes differ"),
+    (dict(q=torch.randn(2, 4, 8, 64).to(torch.int32)), "dtype"),
+    (dict(q=torch.randn(2, 4, 8, 64, dtype=torch.bfloat16, device="meta")), "different devices"),
+])
+def test_bad_inputs_give_clear_errors(bad, match):
+    args = dict(q=torch.randn(2, 4, 8, 64, dtype=torch.bfloat16), k=torch.randn(2, 2, 8, 64, dtype=torch.bfloat16),
+                v=torch.randn(2, 2, 8, 64, dtype=torch.bfloat16))
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.sage.attention(args["q"], args["k"], args["v"])
+
+
+def test_bad_config_values_give_clear_errors():
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 64)
+    with pytest.raises(ValueError, match="qk='int5'"):
+        torch.ops.sage.attention(q, k, v, qk="int5")
+    with pytest.raises(ValueError, match="causal=7"):
+        torch.ops.sage.attention(q, k, v, causal=7)
+
+
+def test_nan_propagates_like_sdpa():
+    q, k, v = random_qkv(1, 2, 2, 40, 40, 64, seed=5)
+    q[0, 1, 7, 3] = float("nan")
+    out = torch.ops.sage.attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out.isnan(), ref.isnan())  # only row 7 of head 1
+    k2 = k.clone()
+    k2[0, 0, 3, 5] = float("inf")
+    out = torch.ops.sage.attention(q, k2, v)
+    assert not torch.isfinite(out[0, 0]).any()  # SDPA: an infinite key poisons its head as well
+    assert torch.isfinite(out[0, 1, :7]).all()
+
+
+def test_empty_sequences():
+    q, k, v = random_qkv(2, 2, 2, 0, 16, 64)
+    assert torch.ops.sage.attention(q, k, v).shape == (2, 2, 0, 64)
+    q, k, v = random_qkv(2, 2, 2, 5, 0, 64)
+    out = torch.ops.sage.attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == ref.shape == (2, 2, 5, 64) and torch.equal(out, ref)
+
+
+def test_kv_lens_ignore_padded_keys():
+    """Keys past each batch's length change nothing (the contract issue 3's padding masks build on)."""
+    q, k, v = random_qkv(2, 2, 2, 20, 48, 64, seed=6)
+    kv_lens = torch.tensor([30, 48], dtype=torch.int32)
+    out = torch.ops.sage.attention(q, k, v, kv_lens=kv_lens)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 30:] = 1000.0
+    v2[0, :, 30:] = -1000.0
+    assert torch.equal(out, torch.ops.sage.attention(q, k2, v2, kv_lens=kv_lens))
+    alone = torch.ops.sage.attention(q[:1], k[:1, :, :30], v[:1, :, :30])
+    assert torch.equal(out[:1], alone)
+    lse = spec.quantized_attention_reference(*_prepared_args(q, k, v, spec.Quantization(), kv_lens)[:8], kv_lens,
+                                             128, 0, 64, q.dtype)[1]
+    assert torch.isfinite(lse).all() and not math.isnan(lse.sum().item())

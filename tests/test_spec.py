@@ -1,0 +1,133 @@
+"""Properties of the numerics spec itself (sage_compile/spec.py): quantizer bounds and invariants."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import attention_shapes, cosine, random_qkv, rel_l1
+from sage_compile import spec
+
+
+@given(n=st.integers(1, 300), d=st.sampled_from([32, 64, 80]), granularity=st.sampled_from(spec.GRANULARITIES),
+       block=st.sampled_from([16, 64, 128]), levels=st.sampled_from([127, 7]), seed=st.integers(0, 2**16))
+def test_quantize_error_is_at_most_half_a_step(n, d, granularity, block, levels, seed):
+    x = torch.randn(2, n, d, generator=torch.Generator().manual_seed(seed)) * 3
+    amax = spec.group_amax(x, granularity, block)
+    xq, delta = spec.quantize_symmetric(x, amax, levels)
+    assert xq.dtype == torch.int8 and xq.abs().max() <= levels
+    err = (xq.float() * delta.unsqueeze(-1) - x).abs()
+    assert (err <= delta.unsqueeze(-1) * 0.5 * (1 + 1e-6)).all()
+    if granularity == "per_block":  # every token of a block shares its block's amax
+        for start in range(0, n, block):
+            group = x[:, start:start + block].abs().amax(dim=(-1, -2))
+            assert torch.equal(amax[:, start:start + block], group[:, None].expand(-1, min(block, n - start)))
+
+
+def test_e4m3_rounding_is_round_half_even_and_saturating():
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = grid[torch.isfinite(grid) & (grid >= 0)].unique().sort().values
+    mids = (finite[1:] + finite[:-1]) / 2
+    rounded = spec.quantize_e4m3(mids).float()
+    assert ((rounded == finite[1:]) | (rounded == finite[:-1])).all()
+    assert spec.quantize_e4m3(torch.tensor([1e6, -1e6])).float().tolist() == [448.0, -448.0]
+
+
+@given(shape=attention_shapes(max_n=96), seed=st.integers(0, 2**16))
+def test_q_smoothing_delta_s_restores_unsmoothed_scores(shape, seed):
+    """S = q̂k̂ᵀ·δQ·δK + ΔS must equal scale·log2e·q·k̃ up to the INT8 rounding bound
+    |err| ≤ δK/2·‖q̃‖₁ + δQ/2·‖k̃‖₁ + 3·D·δQ·δK/4 (expand q̃ = q̂δQ + e_q, |e_q| ≤ δQ/2, same for k)."""
+    q, k, v = random_qkv(**shape, seed=seed)
+    q = q + 4.0  # a large Q offset is what smoothing removes
+    quant = spec.Quantization(smooth_q=True, q_block=32)
+    scale = shape["d"] ** -0.5
+    p = spec.prepare(q, k, v, scale, quant)
+    d = shape["d"]
+    group = shape["hq"] // shape["hkv"]
+    k_smooth = (k.float() - k.float().mean(dim=-2, keepdim=True)).repeat_interleave(group, 1)
+    exact = q.float() @ k_smooth.transpose(-1, -2) * scale * spec.LOG2E
+
+    ks = p.k_scale.repeat_interleave(group, 1)
+    k8 = p.k[..., :d].float().repeat_interleave(group, 1)
+    rows = torch.arange(shape["n_q"]) // quant.q_block
+    approx = (p.q[..., :d].float() @ k8.transpose(-1, -2)) * p.q_scale[..., None] * ks[:, :, None, :]
+    approx = approx + p.delta_s[:, :, rows, :]
+
+    q_mean = spec._block_mean(q.float(), quant.q_block).repeat_interleave(quant.q_block, -2)[..., :shape["n_q"], :]
+    q_smooth = q.float() - q_mean
+    dq = p.q_scale / (scale * spec.LOG2E)
+    bound = (ks[:, :, None, :] / 2 * q_smooth.abs().sum(-1, keepdim=True)
+             + dq[..., None] / 2 * k_smooth.abs().sum(-1)[:, :, None, :]
+             + 0.75 * d * dq[..., None] * ks[:, :, None, :]) * scale * spec.LOG2E
+    slack = 1e-5 * exact.abs() + 1e-5
+    assert ((approx - exact).abs() <= bound + slack).all()
+
+
+@given(shape=attention_shapes(max_n=128), seed=st.integers(0, 2**16), causal=st.sampled_from([0, 1, 2]))
+def test_shifting_every_key_by_one_vector_changes_nothing(shape, seed, causal):
+    """Softmax is invariant to adding c to every key (it adds q·c to a whole row); K smoothing makes the
+    quantized path invariant too, up to fp32 rounding of k + c (here exact: fp32 inputs, c a power of 2)."""
+    q, k, v = random_qkv(**shape, seed=seed, dtype=torch.float32)
+    c = 2.0 ** torch.randint(-2, 4, (shape["d"],)).float()
+    base = spec.reference_attention(q, k, v, causal=causal)
+    shifted = spec.reference_attention(q, k + c, v, causal=causal)
+    assert cosine(shifted, base) > 0.9999
+    assert rel_l1(shifted, base) < 5e-3
+
+
+def test_without_k_smoothing_a_key_bias_costs_accuracy():
+    """Evidence that smoothing matters: a per-channel K bias hurts INT8 QK unless K is smoothed."""
+    q, k, v = random_qkv(1, 4, 4, 256, 256, 64, seed=3, k_bias=40.0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    smoothed = spec.reference_attention(q, k, v)
+    raw = spec.reference_attention(q, k, v, quant=spec.Quantization(smooth_k=False))
+    assert rel_l1(smoothed, ref) < 0.5 * rel_l1(raw, ref)
+
+
+def _error_budget(q, k, v, causal, scale):
+    """Per-element bound on |sage − exact| (see test below), from the exact probabilities P/l."""
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(group, 1) for t in (k, v))
+    s = q.float() @ kf.transpose(-1, -2) * scale
+    allowed = spec.causal_allowed(q.shape[2], k.shape[2], causal)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    probs = s.softmax(-1)
+    exact = probs @ vf
+    weighted_abs_v = probs @ vf.abs()
+    # int8 QK: score error ≤ (δK·‖q‖₁ + δQ·‖k̃‖₁)/2·scale per entry; it scales p by e^{±err} → 2·err relative
+    k_smooth = kf - kf.mean(-2, keepdim=True)
+    dq = q.float().abs().amax(-1) / 127
+    dk = k_smooth.abs().amax(-1) / 127
+    score_err = (dk.amax(-1)[..., None] * q.float().abs().sum(-1) + dq * k_smooth.abs().sum(-1).amax(-1)[..., None]) / 2
+    qk_rel = 2 * score_err * scale * 1.01
+    return exact, weighted_abs_v, qk_rel
+
+
+@given(shape=attention_shapes(), seed=st.integers(0, 2**16), causal=st.sampled_from([0, 1, 2]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_error_vs_exact_attention_is_within_the_quantization_budget(shape, seed, causal, dtype):
+    """|ô − o| ≤ (2·2⁻⁴ + 2⁻⁸ + qk)·Σⱼ pⱼ|vⱼ| + output rounding: e4m3 rounding of P and of V is each
+    ≤ 2⁻⁴ relative (3-bit mantissa; subnormals are far below that in absolute terms), their product
+    term 2⁻⁸; INT8 QK moves each probability by at most e^{±2·score_err}. l uses unquantized P."""
+    if causal == 2 and shape["n_q"] > shape["n_k"]:
+        shape["n_q"] = shape["n_k"]  # rows with no visible key are tested elsewhere
+    q, k, v = random_qkv(**shape, seed=seed, dtype=dtype)
+    scale = shape["d"] ** -0.5
+    out = spec.reference_attention(q, k, v, causal=causal).float()
+    exact, weighted_abs_v, qk_rel = _error_budget(q, k, v, causal, scale)
+    budget = (2 * 2**-4 + 2**-8 + qk_rel[..., None]) * weighted_abs_v + exact.abs() * 2**-7 + 1e-6
+    assert ((out - exact).abs() <= budget).all()
+    assert cosine(out, exact) > 0.995  # typical is 0.9992+ (measured over these shapes)
+
+
+def test_rows_without_visible_keys_are_zero():
+    q, k, v = random_qkv(1, 2, 2, 10, 4, 64, seed=1)
+    out = spec.reference_attention(q, k, v, causal=spec.CAUSAL_BOTTOM_RIGHT).float()
+    assert (out[:, :, :6] == 0).all() and (out[:, :, 6:].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("d,expected", [(1, 32), (32, 32), (48, 64), (64, 64), (80, 128), (160, 256), (256, 256)])
+def test_padded_head_dim(d, expected):
+    assert spec.padded_head_dim(d) == expected
