@@ -40,6 +40,8 @@ class SageConfig:
 
     def __post_init__(self):
         self.quantization()  # validates the numerics fields
+        op_fields = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "inner_backend"}
+        object.__setattr__(self, "_op_kwargs", op_fields)
         if self.fallback not in FALLBACKS:
             raise ValueError(f"SageConfig.fallback={self.fallback!r}: expected one of {FALLBACKS}")
         if self.inner_backend not in INNER_BACKENDS:
@@ -51,8 +53,9 @@ class SageConfig:
         return Quantization(**{f.name: getattr(self, f.name) for f in fields(Quantization)})
 
     def op_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments of sage.attention that carry this config's numerics."""
-        return dataclasses.asdict(self.quantization())
+        """Keyword arguments of sage.attention that carry this config (all but compile plumbing).
+        Precomputed in __post_init__ so that Dynamo only reads a dict when it traces sage_attention."""
+        return self._op_kwargs
 
     def replace(self, **changes) -> "SageConfig":
         return dataclasses.replace(self, **changes)

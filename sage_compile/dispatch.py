@@ -59,6 +59,7 @@ def kernel_name_for(args: KernelArgs) -> Optional[str]:
         return None
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_for_site(device, padded_head_dim: int, pv: str, dtype):
     """Kernel a site on ``device`` would get, judged at compile time from zero-size stand-ins."""
     import torch

@@ -10,66 +10,90 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import dispatch, spec
+from .config import SageConfig
 from .kernels import KernelArgs
+from .sites import UnsupportedAttentionError
+from .support import AttentionCall, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
 _LIB.define(
-    "attention(Tensor q, Tensor k, Tensor v, float? scale=None, int causal=0, str qk='int8', "
-    "str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
-    "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', Tensor? kv_lens=None) -> Tensor"
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, "
+    "int causal=0, bool enable_gqa=False, str qk='int8', str q_granularity='per_token', "
+    "str k_granularity='per_token', int q_block=128, int k_block=64, bool smooth_k=True, bool smooth_q=False, "
+    "bool smooth_v=False, str pv='fp8', str fallback='sdpa', int min_seq_len=0, bool allow_fp32=False, "
+    "Tensor? kv_lens=None) -> Tensor"
 )
 
 
-def check_attention_inputs(q, k, v, kv_lens=None) -> None:
-    """Clear errors for what the op cannot mean; everything here is static (no guards on values)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"sage.attention: {name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"sage.attention: {name}.dtype={t.dtype}; expected bfloat16, float16 or float32")
+def check_attention_inputs(q, k, v) -> None:
+    """Errors for inputs no attention accepts (SDPA rejects them too); named argument, value, remedy."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"sage.attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"sage.attention: q, k, v on different devices: {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"sage.attention: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"sage.attention: q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim"
-        )
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"sage.attention: query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-        )
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"sage.attention: head dim {q.shape[-1]} not supported (1..256)")
-    if kv_lens is not None and (kv_lens.dim() != 1 or kv_lens.shape[0] != q.shape[0]):
-        raise ValueError(f"sage.attention: kv_lens must have shape [B={q.shape[0]}], got {tuple(kv_lens.shape)}")
+    if q.dim() == k.dim() == 4 and k.shape[1] and q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"sage.attention: query heads ({q.shape[1]}) must be a multiple of key/value "
+                         f"heads ({k.shape[1]})")
+    if q.dim() == k.dim() and q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"sage.attention: q {tuple(q.shape)} and k {tuple(k.shape)} head dims differ")
 
 
 @torch.library.impl(_LIB, "attention", "CompositeImplicitAutograd")
-def _attention_decomposition(q, k, v, scale=None, causal=0, qk="int8", q_granularity="per_token",
-                             k_granularity="per_token", q_block=128, k_block=64, smooth_k=True, smooth_q=False,
-                             smooth_v=False, pv="fp8", kv_lens=None):
-    check_attention_inputs(q, k, v, kv_lens)
+def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, causal=0, enable_gqa=False,
+                             qk="int8", q_granularity="per_token", k_granularity="per_token", q_block=128,
+                             k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
+                             fallback="sdpa", min_seq_len=0, allow_fp32=False, kv_lens=None):
+    # the dispatcher passes what the caller passed, positionally or not: defaults repeat the schema
+    """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported."""
+    check_attention_inputs(q, k, v)
     if causal not in spec.CAUSAL_NAMES:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
-    quant = spec.Quantization(qk=qk, q_granularity=q_granularity, k_granularity=k_granularity,
-                              q_block=q_block, k_block=k_block, smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    config = SageConfig(qk=qk, q_granularity=q_granularity, k_granularity=k_granularity, q_block=q_block,
+                        k_block=k_block, smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv,
+                        fallback=fallback, min_seq_len=min_seq_len, allow_fp32=allow_fp32)
+    call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
+    reason = unsupported_reason(call, config, torch.is_grad_enabled())
+    if reason is not None:
+        report_fallback(reason, config)
+        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = spec.prepare(q, k, v, scale, quant, kv_lens)
+    p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens)
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         p.q_group, causal, q.shape[-1], q.dtype,
     )
     return out
+
+
+def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa):
+    is_causal = causal == spec.CAUSAL_TOP_LEFT
+    if causal == spec.CAUSAL_BOTTOM_RIGHT:  # SDPA's is_causal is top-left: say bottom-right as a mask
+        attn_mask = spec.causal_allowed(q.shape[-2], k.shape[-2], causal, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_reported_fallbacks: set = set()
+
+
+def report_fallback(reason: str, config: SageConfig) -> None:
+    """Explicit fallback: raise (fallback='error') or count and warn once per reason."""
+    if config.fallback == "error":
+        raise UnsupportedAttentionError(f"sage.attention: {reason}")
+    torch._dynamo.utils.counters["sage"]["fallbacks"] += 1
+    if reason not in _reported_fallbacks:
+        _reported_fallbacks.add(reason)
+        warnings.warn(f"sage.attention ran F.scaled_dot_product_attention instead: {reason}", stacklevel=3)
 
 
 def _empty_outputs(q, k, head_dim, out_dtype):

@@ -1,0 +1,104 @@
+"""sage_attention: F.scaled_dot_product_attention's semantics, eager and under compile; explicit fallbacks."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import attention_shapes, cosine, random_qkv
+import sage_compile
+from sage_compile import SageConfig, UnsupportedAttentionError, sage_attention, spec
+
+
+def _sdpa_fp32(q, k, v, **kw):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw)
+
+
+@given(shape=attention_shapes(), seed=st.integers(0, 2**16), is_causal=st.booleans(),
+       scale=st.sampled_from([None, 0.05, 0.3]), layout=st.sampled_from(["bhnd", "bnhd"]))
+def test_matches_sdpa_semantics(shape, seed, is_causal, scale, layout):
+    q, k, v = random_qkv(**shape, seed=seed, layout=layout)
+    gqa = shape["hq"] != shape["hkv"]
+    out = sage_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    exact = _sdpa_fp32(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    assert out.shape == exact.shape and out.dtype == q.dtype
+    assert cosine(out, exact) > 0.995  # quantization budget: see test_spec's error-budget test
+    quant = spec.Quantization()
+    ref = spec.reference_attention(q, k, v, scale=scale, causal=int(is_causal), quant=quant)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_bottom_right_causal_matches_an_explicit_mask():
+    q, k, v = random_qkv(1, 2, 2, 30, 90, 64, seed=1)  # chunked prefill: 30 new queries, 90 keys
+    out = sage_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    mask = torch.ones(30, 90, dtype=torch.bool).tril(90 - 30)
+    assert cosine(out, _sdpa_fp32(q, k, v, attn_mask=mask)) > 0.999
+    assert cosine(out, _sdpa_fp32(q, k, v, is_causal=True)) < 0.99  # top-left would be another result
+
+
+def test_unsupported_calls_fall_back_explicitly():
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=2)
+    mask = torch.rand(16, 16) > 0.3
+    with pytest.warns(UserWarning, match="attn_mask"):
+        out = sage_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 1
+    with pytest.raises(UnsupportedAttentionError, match="dropout"):
+        sage_attention(q, k, v, dropout_p=0.1, config=SageConfig(fallback="error"))
+
+
+def test_fp32_and_grad_fall_back_unless_allowed():
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=3, dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(sage_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+        out = sage_attention(q, k, v, config=SageConfig(allow_fp32=True))
+    assert any("float32" in str(w.message) for w in caught)
+    assert out.dtype == torch.float32 and not torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    qg = q.bfloat16().requires_grad_()
+    with pytest.raises(UnsupportedAttentionError, match="require grad"):
+        sage_attention(qg, k.bfloat16(), v.bfloat16(), config=SageConfig(fallback="error"))
+
+
+def test_min_seq_len_keeps_sdpa_for_short_sequences():
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=4)
+    with pytest.warns(UserWarning, match="min_seq_len"):
+        out = sage_attention(q, k, v, config=SageConfig(min_seq_len=64))
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_under_torch_compile_equals_eager():
+    q, k, v = random_qkv(2, 4, 2, 50, 70, 64, seed=5)
+
+    def fn(q, k, v):
+        return sage_attention(q * 1.5, k, v, is_causal=True, enable_gqa=True)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
+
+
+def test_import_changes_no_global_state():
+    """`import sage_compile` registers no op and touches no Inductor/Dynamo config (fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch._inductor.config as ic, torch._dynamo.config as dc\n"
+        "before = (ic.get_config_copy(), dc.get_config_copy())\n"
+        "import sage_compile\n"
+        "assert (ic.get_config_copy(), dc.get_config_copy()) == before, 'config changed'\n"
+        "try:\n"
+        "    torch._C._dispatch_find_schema_or_throw('sage::attention', '')\n"
+        "    raise SystemExit('sage::attention registered on import')\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "print('clean')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "clean" in result.stdout, result.stderr[-2000:]
+
+
+def test_public_surface():
+    assert set(sage_compile.__all__) >= {"SageConfig", "compile", "sage_attention", "explain"}

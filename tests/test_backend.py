@@ -1,0 +1,183 @@
+"""The backend and its passes, judged on the graph (nodes, counters, generated code), not only outputs."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import cosine
+import sage_compile
+from sage_compile import SageConfig
+from sage_compile.backend import inductor_patches, sage_backend
+from sage_compile.demo_model import DemoTransformer
+from sage_compile.sites import SiteReport
+
+FAST = {"inner_backend": "aot_eager"}  # AOTAutograd decomposes sage.attention; no Inductor codegen
+
+
+def _capture_stage1(model, *inputs, options=None, **compile_kwargs):
+    """Compile with the sage backend (eager inner) and return the rewritten Dynamo graphs."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = sage_backend(gm, example_inputs, options={"inner_backend": "eager", **(options or {})})
+        graphs.append(gm)
+        return compiled
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, **compile_kwargs)(*inputs)
+    return graphs, out
+
+
+def _count(graph_modules, target) -> int:
+    return sum(1 for gm in graph_modules for n in gm.graph.nodes if n.target == target)
+
+
+@settings(max_examples=6)
+@given(layers=st.integers(1, 5), seq=st.sampled_from([17, 64, 100]))
+def test_n_attention_layers_give_n_sage_sites(layers, seq):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = DemoTransformer(layers=layers, dim=64, heads=4).bfloat16().eval()
+    x = torch.randn(1, seq, 64, dtype=torch.bfloat16)
+    graphs, _ = _capture_stage1(model, x)
+    assert _count(graphs, torch.ops.sage.attention.default) == layers
+    assert _count(graphs, F.scaled_dot_product_attention) == 0
+    assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == layers
+
+
+def test_no_graph_breaks_and_fullgraph():
+    model = DemoTransformer(layers=3, dim=64, heads=4).bfloat16().eval()
+    x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
+    explanation = sage_compile.explain(model, x)
+    assert explanation.graph_breaks == 0 and explanation.graph_count == 1
+    assert len(explanation.replaced) == 3
+    with torch.no_grad():
+        out = torch.compile(model, backend=sage_backend, fullgraph=True, options=FAST)(x)
+        ref = model(x)
+    assert cosine(out, ref) > 0.995
+
+
+def test_unsupported_sites_stay_sdpa_with_a_reason():
+    class Mixed(nn.Module):
+        def forward(self, q, k, v, mask):
+            a = F.scaled_dot_product_attention(q, k, v)  # supported
+            b = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # general mask
+            c = F.scaled_dot_product_attention(q.float(), k.float(), v.float())  # fp32
+            return a + b + c
+
+    q, k, v = (torch.randn(1, 2, 32, 64, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(32, 32) > 0.5
+    graphs, _ = _capture_stage1(Mixed(), q, k, v, mask)
+    assert _count(graphs, torch.ops.sage.attention.default) == 1
+    assert _count(graphs, F.scaled_dot_product_attention) == 2
+    explanation = sage_compile.explain(Mixed(), q, k, v, mask)
+    reasons = [s.reason for s in explanation.sites if not s.replaced]
+    assert any("attn_mask" in r for r in reasons) and any("float32" in r for r in reasons)
+    with pytest.raises(Exception, match="attn_mask"):
+        with torch.no_grad():
+            torch.compile(Mixed(), backend=sage_backend, options={**FAST, "fallback": "error"})(q, k, v, mask)
+
+
+def test_training_keeps_sdpa():
+    model = DemoTransformer(layers=2, dim=64, heads=4)
+    x = torch.randn(1, 16, 64)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return sage_backend(gm, example_inputs, options={"inner_backend": "aot_eager", "allow_fp32": True})
+
+    out = torch.compile(model, backend=backend)(x)
+    out.sum().backward()  # still differentiable: the sites stayed SDPA
+    assert _count(graphs, torch.ops.sage.attention.default) == 0
+    assert torch._dynamo.utils.counters["sage"]["sites_kept_sdpa"] == 2
+
+
+def test_dynamic_sequence_length_does_not_recompile():
+    model = DemoTransformer(layers=2, dim=64, heads=4).bfloat16().eval()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)  # a Dynamo restart (tensorified float scalars) may call us twice: count the last
+        return sage_backend(gm, example_inputs, options=FAST)
+
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (40, 97, 150):
+            x = torch.randn(2, n, 64, dtype=torch.bfloat16)
+            assert cosine(compiled(x), model(x)) > 0.995
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert _count(graphs[-1:], torch.ops.sage.attention.default) == 2
+    inputs = [n.meta["example_value"] for n in graphs[-1].graph.find_nodes(op="placeholder")]
+    assert any(isinstance(size, torch.SymInt) for t in inputs if isinstance(t, torch.Tensor) for size in t.shape)
+
+
+def test_options_split_between_sage_and_inductor():
+    config, rest = SageConfig.from_options({"smooth_q": True, "max_autotune": True,
+                                            "sage_config": SageConfig(pv="fp16")})
+    assert config.smooth_q and config.pv == "fp16" and rest == {"max_autotune": True}
+    patches = inductor_patches(config, "reduce-overhead", rest, SiteReport())
+    assert patches["triton.cudagraphs"] is True and patches["max_autotune"] is True
+    stage2 = patches["joint_custom_post_pass"]
+    assert isinstance(stage2, torch._inductor.custom_graph_pass.CustomGraphPass)
+    other = inductor_patches(config.replace(smooth_q=False), None, {}, SiteReport())["joint_custom_post_pass"]
+    assert stage2.uuid() != other.uuid()  # the cache key follows the config (and our sources)
+    with pytest.raises(ValueError, match="qk="):
+        SageConfig.from_options({"qk": "int3"})
+
+
+def test_inductor_generated_code_calls_the_quantized_op():
+    """Full Inductor: the generated code runs sage.quantized_attention once per layer and no SDPA;
+    the prep became Inductor kernels (one fused C++ kernel per group on CPU)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = DemoTransformer(layers=2, dim=64, heads=4).bfloat16().eval()
+    x = torch.randn(1, 48, 64, dtype=torch.bfloat16)
+    compiled = sage_compile.compile(model, options={"force_disable_caches": True})
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, x)
+        ref = model(x)
+    code = "\n".join(codes)
+    assert code.count("torch.ops.sage.quantized_attention.default(") == 2
+    assert "scaled_dot_product" not in code
+    assert cosine(out, ref) > 0.995
+
+
+def test_hand_written_attention_is_found_after_inductor_fuses_it():
+    """Stage 2: Inductor's fuse_attention turns softmax(QKᵀ)V into an SDPA variant; we replace that."""
+
+    class Manual(nn.Module):
+        def forward(self, q, k, v):
+            return ((q @ k.transpose(-1, -2)) * 0.125).softmax(-1) @ v
+
+    q, k, v = (torch.randn(2, 4, 64, 64, dtype=torch.bfloat16) for _ in range(3))
+    report = []
+    from sage_compile.backend import collect_reports
+
+    with torch.no_grad(), collect_reports() as report:
+        out = torch.compile(Manual(), backend=sage_backend, options={"force_disable_caches": True})(q, k, v)
+    sites = [s for r in report for s in r.sites]
+    assert [s.source for s in sites] == ["inductor-sdpa"] and sites[0].replaced
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
+    assert 0.995 < cosine(out, exact) < 0.99999  # quantized (bf16 SDPA would be ~0.999999)
+
+
+def test_backend_by_name_without_importing_the_package():
+    """The torch_dynamo_backends entry point: backend="sage" in a fresh interpreter (needs pip install)."""
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q), backend='sage',"
+        " options={'inner_backend': 'aot_eager'})\n"
+        "assert 'sage_compile' not in sys.modules\n"
+        "with torch.no_grad():\n"
+        "    f(torch.randn(1, 2, 32, 64, dtype=torch.bfloat16))\n"
+        "print(dict(torch._dynamo.utils.counters['sage']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'sites_replaced': 1" in result.stdout
