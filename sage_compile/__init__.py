@@ -3,10 +3,19 @@
 Importing this package changes no global state (no ops registered, no backend registered, no Inductor
 config touched); ``torch.compile(model, backend="sage")`` finds the backend through its entry point.
 """
-from .api import compile, sage_attention
-from .config import SageConfig
-from .explain import explain
-from .sites import Site, SiteReport, UnsupportedAttentionError
+import os as _os
+
+# passes/ sits at the top of the repository and a wheel installs it as sage_compile.passes (setup.py
+# package_dir). Editable installs map top-level packages only, so a checkout finds it beside us.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
+        _os.path.join(_checkout, "passes", "__init__.py")):
+    __path__.append(_checkout)
+
+from .api import compile, sage_attention  # noqa: E402
+from .config import SageConfig  # noqa: E402
+from .explain import explain  # noqa: E402
+from .sites import Site, SiteReport, UnsupportedAttentionError  # noqa: E402
 
 __all__ = ["SageConfig", "compile", "sage_attention", "explain", "Site", "SiteReport",
            "UnsupportedAttentionError"]

@@ -58,6 +58,8 @@ def _check_arguments(call, config, grad_enabled):
         return f"is_causal is not a constant bool ({type(call.is_causal).__name__})"
     if call.scale is not None and not isinstance(call.scale, (numbers.Number, torch.SymFloat)):
         return f"scale is a {type(call.scale).__name__}, not a number"
+    if isinstance(call.scale, numbers.Number) and not call.scale > 0:
+        return f"scale={call.scale}: the kernels assume a positive softmax scale"
     if not isinstance(call.enable_gqa, bool):
         return "enable_gqa is not a constant bool"
     return None

@@ -171,9 +171,9 @@ def test_backend_by_name_without_importing_the_package():
     """The torch_dynamo_backends entry point: backend="sage" in a fresh interpreter (needs pip install)."""
     code = (
         "import sys, torch\n"
+        "assert 'sage_compile' not in sys.modules  # found through the entry point, not imported by us\n"
         "f = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q), backend='sage',"
         " options={'inner_backend': 'aot_eager'})\n"
-        "assert 'sage_compile' not in sys.modules\n"
         "with torch.no_grad():\n"
         "    f(torch.randn(1, 2, 32, 64, dtype=torch.bfloat16))\n"
         "print(dict(torch._dynamo.utils.counters['sage']))\n"

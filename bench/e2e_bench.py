@@ -1,0 +1,169 @@
+"""End-to-end speed of compiled attention with a rotary producer: backend="inductor" (SDPA → cuDNN) vs
+backend="sage" (prep fused by Inductor + quantized kernel), same run, same inputs; plus the prep alone
+against its memory floor, and accuracy on ANCHORS.md's three distributions.
+
+    python -m bench.e2e_bench [--n 1024,4096] [--d 128,64] [--causal 0,1]
+
+Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
+(halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
+docs/results/e2e_bench.json); prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _rotating
+
+N_DEFAULT = "1024,2048,4096,8192,16384,32768"
+
+
+def rope(x, cos, sin):
+    """Half-split rotary on [B, N, H, D] (Llama/Flux style)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attention_block(xq, xk, v, cos, sin, causal: bool):
+    q = rope(xq, cos, sin).transpose(1, 2)
+    k = rope(xk, cos, sin).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def prep_only(xq, xk, v, cos, sin):
+    from sage_compile import spec
+
+    q = rope(xq, cos, sin).transpose(1, 2)
+    k = rope(xk, cos, sin).transpose(1, 2)
+    p = spec.prepare(q, k, v.transpose(1, 2), q.shape[-1] ** -0.5, spec.Quantization())
+    return p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale
+
+
+def rope_only(xq, xk, v, cos, sin):
+    return rope(xq, cos, sin), rope(xk, cos, sin)
+
+
+def make_inputs(batch, n, heads, d, seed, dist="normal"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xq, xk, v = (torch.randn(batch, n, heads, d, device="cuda", generator=g) for _ in range(3))
+    if dist == "outliers":  # FA3 paper: N(0,1) + N(0,100)·Bernoulli(0.001)
+        for t in (xq, xk, v):
+            t += torch.randn(t.shape, device="cuda", generator=g) * 10 * (torch.rand(t.shape, device="cuda", generator=g) < 1e-3)
+    elif dist == "channel_bias":  # K += 8c, V += 4c, Q += 2c with c ~ N(0,1) per channel
+        c = torch.randn(d, device="cuda", generator=g)
+        xq, xk, v = xq + 2 * c, xk + 8 * c, v + 4 * c
+    pos = torch.arange(n, device="cuda", dtype=torch.float32)[:, None]
+    freqs = pos * (10000.0 ** (-torch.arange(0, d // 2, device="cuda", dtype=torch.float32) / (d // 2)))
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    return bf(xq), bf(xk), bf(v), bf(cos), bf(sin)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the prep's floor uses it)."""
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = _bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * 2 / (ms * 1e-3)
+
+
+def prep_floor_bytes(batch, n, heads, d) -> int:
+    """Read x_q, x_k, v (bf16) once, write int8 q, k, e4m3 Vᵀ, fp32 per-token scales once."""
+    elems = batch * n * heads * d
+    return 3 * elems * 2 + 3 * elems + 2 * batch * heads * n * 4
+
+
+def count_kernels(fn, args) -> int:
+    from torch._inductor.utils import run_and_get_code
+
+    _, codes = run_and_get_code(fn, *args)
+    return sum(code.count("@triton.jit") for code in codes)
+
+
+def _accuracy(compiled_sage, d):
+    rows = []
+    for dist in ("normal", "outliers", "channel_bias"):
+        for causal in (False, True):
+            inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist)
+            out = compiled_sage[causal](*inputs)
+            ref = attention_block(*(t.float() for t in inputs), causal=causal)
+            a, b = out.double().flatten(), ref.double().flatten()
+            rows.append(dict(dist=dist, causal=causal, d=d,
+                             cos=F.cosine_similarity(a, b, dim=0).item(),
+                             rel_l1=((a - b).abs().sum() / b.abs().sum()).item(),
+                             rmse=((a - b) ** 2).mean().sqrt().item()))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", default=N_DEFAULT)
+    ap.add_argument("--d", default="128,64")
+    ap.add_argument("--causal", default="0,1")
+    opts = ap.parse_args(argv)
+    ns = [int(x) for x in opts.n.split(",")]
+    import triton
+
+    import sage_compile
+    from sage_compile import SageConfig
+
+    bandwidth = copy_bandwidth()
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={})
+    sage_cfg = SageConfig(min_seq_len=0)
+    for d in (int(x) for x in opts.d.split(",")):
+        heads = SHAPES[d]
+        compiled = {}
+        for causal in (bool(int(c)) for c in opts.causal.split(",")):
+            block = lambda *a, c=causal: attention_block(*a, causal=c)  # noqa: E731
+            inductor = torch.compile(block, dynamic=True)
+            sage = sage_compile.compile(block, config=sage_cfg, dynamic=True)
+            compiled[causal] = sage
+            prep = torch.compile(prep_only, dynamic=True)
+            ropes = torch.compile(rope_only, dynamic=True)
+            for n in ns:
+                batch = TOKENS // n
+                sets = [make_inputs(batch, n, heads, d, seed) for seed in range(N_SETS)]
+                ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
+                row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
+                for name, fn in (("inductor", inductor), ("sage", sage), ("prep", prep), ("rope", ropes)):
+                    with torch.no_grad():
+                        fn(*sets[0])
+                        row[f"{name}_ms"] = _bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets]))
+                for name in ("inductor", "sage"):
+                    row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
+                row["speedup"] = row["inductor_ms"] / row["sage_ms"]
+                row["prep_floor_ms"] = prep_floor_bytes(batch, n, heads, d) / bandwidth * 1e3
+                row["prep_over_floor"] = row["prep_ms"] / row["prep_floor_ms"]
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            results["prep_kernels"][f"d{d}_causal{int(causal)}"] = count_kernels(prep, sets[0])
+        if 1 in (int(c) for c in opts.causal.split(",")) and 0 in (int(c) for c in opts.causal.split(",")):
+            results["accuracy"] += _accuracy(compiled, d)
+
+    path = os.path.join(os.environ.get("OUT") or "docs/results", "e2e_bench.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
+          f"copy {results['copy_bandwidth_gbs']:.0f} GB/s; prep kernels {results['prep_kernels']}")
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'x':>5} {'prep ms':>8} {'floor':>6} {'/floor':>6}")
+    for r in results["rows"]:
+        print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
+              f"{r['speedup']:>5.2f} {r['prep_ms']:>8.3f} {r['prep_floor_ms']:>6.3f} {r['prep_over_floor']:>6.2f}")
+    for a in results["accuracy"]:
+        print(f"accuracy D{a['d']} {a['dist']:>12} causal={int(a['causal'])}: cos {a['cos']:.6f} "
+              f"relL1 {a['rel_l1']:.4f} rmse {a['rmse']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

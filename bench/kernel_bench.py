@@ -1,0 +1,230 @@
+"""Kernel-only speed of the Triton ``sage.quantized_attention`` kernel against SDPA (cuDNN, flash), same run.
+
+TOPS = 4·B·H·N²·D / time (halved for causal); median of ``triton.testing.do_bench``; B·N = 16K tokens,
+H=16 at D=128 and H=32 at D=64; every timed call rotates among 3 input sets (and do_bench clears L2 before
+each call). ``spec.prepare`` (the eager quantization, which Inductor fuses into the producers under
+torch.compile) is timed separately. ``--sweep`` also times every candidate launch config of the Triton
+kernel at a few N (to build the table in ``sage_compile/kernels/triton.py``).
+
+    python -m bench.kernel_bench [--n 1024,4096] [--d 128,64] [--sweep] [--quick]
+
+Prints a table last; writes everything (device, versions, every number) to $OUT/kernel_bench.json when
+OUT is set, else to docs/results/kernel_bench.json.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # `python bench/kernel_bench.py` from the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+TOKENS = 16 * 1024
+SHAPES = {128: 16, 64: 32}  # head dim → heads
+N_SETS = 3
+
+
+def sweep_candidates(d):
+    """Launch configs worth timing. Rounds 1–3 on the H200 ruled out 8 warps (20–35% slower than one
+    warpgroup per program at D=128), TMA with 8 warps, 2 or 4 stages at D=128, BLOCK_N 256 (spills), and
+    4 warps × BLOCK_M 128 at D=128 (1.5 KB of spills)."""
+    if d >= 128:
+        return ["64,128,4,3,tma", "64,128,4,3", "64,64,4,3", "128,128,8,3"]
+    return ["64,128,4,3,tma", "64,128,4,4,tma", "128,128,4,3", "64,64,4,3"]
+
+
+def _bench_ms(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _rotating(fns):
+    state = {"i": 0}
+
+    def call():
+        fn = fns[state["i"] % len(fns)]
+        state["i"] += 1
+        return fn()
+    return call
+
+
+def _make_inputs(batch, heads, n, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(batch, heads, n, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
+
+
+def _kernel_args(p, causal, d):
+    from sage_compile.kernels import KernelArgs
+    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
+                      p.q_group, causal, d, torch.bfloat16)
+
+
+def _outputs(batch, heads, n, d):
+    out = torch.empty(batch, n, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.empty(batch, heads, n, device="cuda", dtype=torch.float32)
+    return out, lse
+
+
+def _precompile_worker(job):
+    """Compile (and run once) one config on a small input: fills Triton's on-disk cache for the parent."""
+    d, causal, cfg_text = job
+    from sage_compile import spec
+    from sage_compile.kernels import triton as tk
+    try:
+        heads = SHAPES[d]
+        q, k, v = _make_inputs(1, heads, 256, d, 0)
+        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Quantization()), causal, d)
+        tk.run(args, *_outputs(1, heads, 256, d), config=tk.Config.parse(cfg_text))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 - reported, the config is then skipped
+        return f"{cfg_text} D{d} causal{causal}: {type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(jobs, workers):
+    if not jobs:
+        return []
+    with mp.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+        return [e for e in pool.map(_precompile_worker, jobs) if e]
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--d", default="128,64")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate config at --sweep-n")
+    ap.add_argument("--sweep-n", default="1024,4096,16384")
+    ap.add_argument("--quick", action="store_true", help="N ∈ {1K, 4K, 16K} only")
+    ap.add_argument("--workers", type=int, default=12, help="processes that precompile configs")
+    ap.add_argument("--no-sdpa", action="store_true")
+    opts = ap.parse_args(argv)
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    opts.ns = [1024, 4096, 16384] if opts.quick else ints(opts.n)
+    opts.ds, opts.causals = ints(opts.d), ints(opts.causal)
+    opts.sweep_ns = ints(opts.sweep_n) if opts.sweep else []
+    return opts
+
+
+def _time_sdpa(row, sets, causal, ops):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        fns = [lambda s=s: F.scaled_dot_product_attention(*s, is_causal=bool(causal)) for s in sets]
+        try:
+            with sdpa_kernel(backend):
+                t = _bench_ms(_rotating(fns))
+            row[f"{name}_ms"], row[f"{name}_tops"] = t, ops / t / 1e9
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the shape is reported, not fatal
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _time_triton(tk, kargs, out, lse, config=None):
+    return _bench_ms(_rotating([lambda a=a: tk.run(a, out, lse, config=config) for a in kargs]))
+
+
+def main(argv=None):
+    opts = _parse(argv)
+    import triton
+
+    from sage_compile import spec
+    from sage_compile.kernels import triton as tk
+
+    info = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                cudnn=torch.backends.cudnn.version(), tokens=TOKENS, n_sets=N_SETS,
+                timing="triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+                tops="4*B*H*N^2*D / t, halved for causal")
+    t0 = time.time()
+    jobs = set()
+    for d, c in itertools.product(opts.ds, opts.causals):
+        jobs.update((d, c, _table_config_text(tk, d, c, long_n)) for long_n in (False, True))
+        if opts.sweep:
+            jobs.update((d, c, cfg) for cfg in sweep_candidates(d))
+    errors = precompile(sorted(jobs), opts.workers)
+    failed = {e.split(" ")[0] for e in errors}
+    for e in errors:
+        print("precompile failed:", e, flush=True)
+    info["precompile_s"] = round(time.time() - t0, 1)
+    print(f"precompiled {len(jobs)} variants in {info['precompile_s']} s", flush=True)
+
+    rows, sweep = [], []
+    quant = spec.Quantization()
+    for d in opts.ds:
+        heads = SHAPES[d]
+        for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
+            batch = max(1, TOKENS // n)
+            sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
+            prepared = [spec.prepare(q, k, v, d ** -0.5, quant) for q, k, v in sets]
+            t_prep = _bench_ms(_rotating([lambda s=s: spec.prepare(*s, d ** -0.5, quant) for s in sets]))
+            out, lse = _outputs(batch, heads, n, d)
+            for causal in opts.causals:
+                ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
+                kargs = [_kernel_args(p, causal, d) for p in prepared]
+                for cfg_text in sweep_candidates(d) if n in opts.sweep_ns else []:
+                    if cfg_text in failed:
+                        continue
+                    t = _time_triton(tk, kargs, out, lse, tk.Config.parse(cfg_text))
+                    sweep.append(dict(d=d, n=n, causal=causal, config=cfg_text, ms=t, tops=ops / t / 1e9))
+                    print(f"sweep D{d} N{n:6d} causal{causal} {cfg_text:18s} {ops / t / 1e9:7.1f} TOPS",
+                          flush=True)
+                if n not in opts.ns:
+                    continue
+                t_tri = _time_triton(tk, kargs, out, lse)
+                row = dict(d=d, h=heads, n=n, b=batch, causal=causal, config=str(tk.config_for(kargs[0])),
+                           triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
+                           end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
+                if not opts.no_sdpa:
+                    _time_sdpa(row, sets, causal, ops)
+                rows.append(row)
+                print(_fmt_row(row), flush=True)
+            del sets, prepared, out, lse
+            torch.cuda.empty_cache()
+
+    best = {}
+    for s in sweep:
+        key = (s["d"], s["causal"], s["n"])
+        if key not in best or s["tops"] > best[key]["tops"]:
+            best[key] = s
+    result = dict(info=info, rows=rows, sweep=sweep,
+                  sweep_best=[dict(d=k[0], causal=k[1], n=k[2], config=v["config"], tops=v["tops"])
+                              for k, v in sorted(best.items())])
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out_dir = os.environ.get("OUT") or os.path.join(repo, "docs", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "kernel_bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+    print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  → {path}")
+    if best:
+        print("best sweep config per (D, causal, N):")
+        for k, v in sorted(best.items()):
+            print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
+    print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} "
+          f"{'prep ms':>8}  config")
+    for r in rows:
+        print(_fmt_row(r))
+    return result
+
+
+def _table_config_text(tk, d, causal, long_n):
+    return tk._TABLE[(d, causal != 0, long_n)].text()
+
+
+def _fmt_row(r):
+    f = lambda key: f"{r[key]:7.0f}" if key in r else f"{'-':>7}"  # noqa: E731
+    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('triton_tops')} {f('cudnn_tops')} "
+            f"{f('flash_tops')} {r['end_to_end_tops']:6.0f} {r['prepare_ms']:8.3f}  {r['config']}")
+
+
+if __name__ == "__main__":
+    main()

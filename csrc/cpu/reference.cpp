@@ -1,0 +1,570 @@
+// Exact CPU kernel for sage.quantized_attention: bit-for-bit the algorithm of
+// sage_compile/spec.py::quantized_attention_reference (its docstring states the rounding rules), only
+// without the Python loop and without copying K/V per query head.
+//
+// Not linked against libtorch on purpose (no ABI coupling): every tensor arrives from Python as
+// (data_ptr, dtype name, element strides); sizes come separately. Python validates shapes and dtypes;
+// this file checks only what it needs to stay memory safe.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// For everything the kernel calls per element: inlined into attend_rows, each target clone compiles
+// it for its own instruction set (an outlined copy would be the baseline x86-64 one).
+#define HOT [[gnu::always_inline]] inline
+
+constexpr float kPScale = 448.0f;  // spec.P_SCALE
+constexpr float kE4M3Max = 448.0f;
+constexpr double kLog2e = 1.4426950408889634;  // spec.LOG2E, as the Python float
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// ------------------------------------------------------------------------------------------------
+// Narrow floating-point formats, rounded exactly like torch's Tensor.to().
+// ------------------------------------------------------------------------------------------------
+HOT uint32_t float_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+HOT float bits_float(uint32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// Encoding of an output dtype (bf16 or fp16).
+struct OutFormat {
+  int mant_bits;
+  int min_exp;  // exponent of the smallest normal number
+  uint32_t inf_code;
+  uint32_t nan_code;
+};
+
+constexpr OutFormat kF16Out{10, -14, 0x7C00, 0x7E00};
+constexpr OutFormat kBF16Out{7, -126, 0x7F80, 0x7FC0};
+
+// v / 2^shift rounded half to even (shift >= 1).
+HOT uint32_t shift_round_half_even(uint32_t v, int shift) {
+  if (shift > 24) return 0;  // v < 2^24 <= half a quantum
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t rest = v & ((half << 1) - 1);
+  const uint32_t q = v >> shift;
+  return q + (rest > half || (rest == half && (q & 1)));
+}
+
+// The significand is rounded at the target's quantum (fixed below min_exp: subnormals); a carry out of
+// the mantissa lands in the exponent field, which is exactly the next binade's encoding, and a carry
+// past the largest finite value gives inf.
+HOT uint16_t encode(float x, const OutFormat& fmt) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return static_cast<uint16_t>(fmt.nan_code | sign);
+  int exp = static_cast<int>(mag >> 23) - 127;
+  uint32_t significand = mag & 0x7FFFFFu;
+  if (exp == -127) {
+    exp = -126;  // fp32 subnormal: no implicit bit
+  } else {
+    significand |= 0x800000u;
+  }
+  const int target_exp = std::max(exp, fmt.min_exp);
+  const uint32_t q = shift_round_half_even(significand, 23 - fmt.mant_bits + (target_exp - exp));
+  const uint32_t code = (static_cast<uint32_t>(target_exp - fmt.min_exp) << fmt.mant_bits) + q;
+  return static_cast<uint16_t>(std::min(code, fmt.inf_code) | sign);
+}
+
+float e4m3_value(uint32_t code) {
+  const float sign = (code & 0x80) ? -1.0f : 1.0f;
+  const int exp = (code >> 3) & 0xF;
+  const int mant = code & 0x7;
+  if (exp == 0xF && mant == 0x7) return kNaN;
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
+  return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
+}
+
+float f16_value(uint32_t code) {
+  const float sign = (code & 0x8000) ? -1.0f : 1.0f;
+  const int exp = (code >> 10) & 0x1F;
+  const int mant = code & 0x3FF;
+  if (exp == 0x1F) return mant ? kNaN : sign * kInf;
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -24);
+  return sign * std::ldexp(static_cast<float>(1024 + mant), exp - 25);
+}
+
+// Decoding V is per element of every key block, hence tables (fp16's is 256 KiB, built once).
+template <int N>
+std::vector<float> decode_table(float (*value)(uint32_t)) {
+  std::vector<float> table(N);
+  for (uint32_t code = 0; code < N; ++code) table[code] = value(code);
+  return table;
+}
+
+const std::vector<float>& e4m3_table() {
+  static const std::vector<float> table = decode_table<256>(e4m3_value);
+  return table;
+}
+
+const std::vector<float>& f16_table() {
+  static const std::vector<float> table = decode_table<65536>(f16_value);
+  return table;
+}
+
+// The PV operand type (V̂ and P̂): e4m3fn or fp16.
+struct PvFormat {
+  int mant_bits;
+  int min_exp;  // exponent of the smallest normal number
+  const float* table;
+  int64_t bytes;
+};
+
+PvFormat pv_format(const std::string& dtype) {
+  if (dtype == "float8_e4m3fn") return {3, -6, e4m3_table().data(), 1};
+  if (dtype == "float16") return {10, -14, f16_table().data(), 2};
+  throw py::type_error("v: dtype " + dtype + " is not float8_e4m3fn or float16");
+}
+
+// spec.quantize_pv_operand: clamp (NaN passes through, as in torch.clamp), then round half to even.
+// Within ±448 neither format overflows, so rounding is all there is: x + c − c with c = 1.5·2^23·quantum
+// rounds x to a multiple of the quantum in fp32 itself (c's ulp is the quantum), branch-free.
+HOT float round_pv(float x, const PvFormat& pv) {
+  const float clamped = x > kE4M3Max ? kE4M3Max : (x < -kE4M3Max ? -kE4M3Max : x);
+  const int exp = std::max(static_cast<int>((float_bits(clamped) >> 23) & 0xFF) - 127, pv.min_exp);
+  const float magic = bits_float(static_cast<uint32_t>(exp - pv.mant_bits + 127) << 23) * 12582912.0f;
+  return std::copysign((clamped + magic) - magic, clamped);  // copysign: -0 stays -0, as in torch
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tensor views over raw pointers.
+// ------------------------------------------------------------------------------------------------
+using TensorArg = std::tuple<uintptr_t, std::string, std::vector<int64_t>>;
+
+template <class T, size_t N>
+struct View {
+  T* data = nullptr;
+  std::array<int64_t, N> strides{};
+
+  template <class... I>
+  HOT T& operator()(I... idx) const {
+    static_assert(sizeof...(I) == N, "one index per dimension");
+    const std::array<int64_t, N> at{static_cast<int64_t>(idx)...};
+    int64_t offset = 0;
+    for (size_t d = 0; d < N; ++d) offset += at[d] * strides[d];
+    return data[offset];
+  }
+};
+
+template <size_t N>
+std::array<int64_t, N> checked_strides(const TensorArg& arg, const char* name) {
+  const auto& strides = std::get<2>(arg);
+  if (strides.size() != N) {
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(N) + " strides, got " +
+                          std::to_string(strides.size()));
+  }
+  std::array<int64_t, N> out{};
+  std::copy(strides.begin(), strides.end(), out.begin());
+  return out;
+}
+
+template <class T, size_t N>
+View<T, N> view(const TensorArg& arg, const char* name, const char* dtype) {
+  if (std::get<1>(arg) != dtype) {
+    throw py::type_error(std::string(name) + ": dtype " + std::get<1>(arg) + ", expected " + dtype);
+  }
+  return {reinterpret_cast<T*>(std::get<0>(arg)), checked_strides<N>(arg, name)};
+}
+
+template <class T, size_t N>
+std::optional<View<T, N>> optional_view(const std::optional<TensorArg>& arg, const char* name,
+                                        const char* dtype) {
+  if (!arg) return std::nullopt;
+  return view<T, N>(*arg, name, dtype);
+}
+
+// V̂ is e4m3 or fp16, so it is addressed as raw codes of pv.bytes bytes.
+struct PvTensor {
+  const uint8_t* data;
+  std::array<int64_t, 4> strides;
+  PvFormat pv;
+
+  HOT float operator()(int64_t b, int64_t h, int64_t d, int64_t j) const {
+    const int64_t offset = b * strides[0] + h * strides[1] + d * strides[2] + j * strides[3];
+    if (pv.bytes == 1) return pv.table[data[offset]];
+    uint16_t code;
+    std::memcpy(&code, data + 2 * offset, sizeof code);
+    return pv.table[code];
+  }
+};
+
+// out is bf16, fp16 (encoded with `fmt`) or fp32 (fmt == nullptr).
+struct OutTensor {
+  uint8_t* data;
+  std::array<int64_t, 4> strides;
+  const OutFormat* fmt;
+
+  HOT void store(int64_t b, int64_t h, int64_t i, int64_t d, float x) const {
+    const int64_t offset = b * strides[0] + h * strides[1] + i * strides[2] + d * strides[3];
+    if (fmt == nullptr) {
+      std::memcpy(data + 4 * offset, &x, sizeof x);
+      return;
+    }
+    const uint16_t code = encode(x, *fmt);
+    std::memcpy(data + 2 * offset, &code, sizeof code);
+  }
+};
+
+OutTensor out_tensor(const TensorArg& arg) {
+  const std::string& dtype = std::get<1>(arg);
+  const OutFormat* fmt = nullptr;
+  if (dtype == "bfloat16") {
+    fmt = &kBF16Out;
+  } else if (dtype == "float16") {
+    fmt = &kF16Out;
+  } else if (dtype != "float32") {
+    throw py::type_error("out: dtype " + dtype + " is not bfloat16, float16 or float32");
+  }
+  return {reinterpret_cast<uint8_t*>(std::get<0>(arg)), checked_strides<4>(arg, "out"), fmt};
+}
+
+struct KvLens {
+  const uint8_t* data;
+  int64_t stride;
+  bool is_int64;
+
+  HOT int64_t operator()(int64_t b) const {
+    if (is_int64) {
+      int64_t n;
+      std::memcpy(&n, data + 8 * b * stride, sizeof n);
+      return n;
+    }
+    int32_t n;
+    std::memcpy(&n, data + 4 * b * stride, sizeof n);
+    return n;
+  }
+};
+
+std::optional<KvLens> kv_lens_view(const std::optional<TensorArg>& arg) {
+  if (!arg) return std::nullopt;
+  const std::string& dtype = std::get<1>(*arg);
+  if (dtype != "int32" && dtype != "int64") {
+    throw py::type_error("kv_lens: dtype " + dtype + " is not int32 or int64");
+  }
+  return KvLens{reinterpret_cast<const uint8_t*>(std::get<0>(*arg)), checked_strides<1>(*arg, "kv_lens")[0],
+                dtype == "int64"};
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernel. A task is a block of query rows of one (batch, head). Per key block it computes the
+// dot products of all its rows, then each row's online-softmax step, then P̂·V̂ for all its rows.
+// ------------------------------------------------------------------------------------------------
+// Register tiles as GCC vector types; each target clone lowers them to zmm, ymm or xmm registers.
+// They never cross a call (everything is inlined), so the ABI note GCC gives for them does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float Floats __attribute__((vector_size(64)));
+typedef double Doubles __attribute__((vector_size(64)));
+typedef float HalfFloats __attribute__((vector_size(32)));  // as many lanes as Doubles
+constexpr int64_t kFloatLanes = 16;
+constexpr int64_t kDoubleLanes = 8;
+constexpr int64_t kTileRows = 4;
+// Query rows per task (a multiple of kTileRows): the key block is decoded once for all of them.
+constexpr int64_t kRowBlock = 64;
+// Integer dot products are exact in fp32 while every partial sum stays below 2^24 (|int8| <= 128).
+constexpr int64_t kMaxExactDp = (1 << 24) / (128 * 128);
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+template <class Vec, class T>
+HOT Vec load(const T* from) {
+  Vec v;
+  std::memcpy(&v, from, sizeof v);
+  return v;
+}
+
+template <class Vec, class T>
+HOT void store(T* to, const Vec& v) {
+  std::memcpy(to, &v, sizeof v);
+}
+
+struct Problem {
+  int64_t batch, hq, hkv, n_q, n_k, dp, head_dim, q_group, block_n;
+  int causal;
+  View<const int8_t, 4> q, k;
+  View<const float, 3> q_scale, k_scale, v_scale;
+  std::optional<View<const float, 3>> v_mean;
+  std::optional<View<const float, 4>> delta_s;
+  std::optional<KvLens> kv_lens;
+  PvTensor v;
+  OutTensor out;
+  View<float, 3> lse;
+  // Tiles compute whole vectors: up to dp_vec along d (the lanes past dp are computed, never read).
+  int64_t dp_vec = round_up(dp, kDoubleLanes);
+  // Scratch row strides: one vector more than needed, so that the transposing loads, which write down
+  // a column, do not land in one cache set (as power-of-2 strides would).
+  int64_t key_stride = round_up(block_n, kFloatLanes) + kFloatLanes;
+  int64_t dp_stride = dp_vec + kDoubleLanes;
+};
+
+// One thread's scratch, reused across its tasks. Lanes past dp or cols and rows past a task's last row
+// hold zeros or stale values: tiles compute on them, nothing reads the results.
+struct Workspace {
+  std::vector<float> q_rows;    // [kRowBlock][dp]: Q̂ rows as (exact) floats
+  std::vector<float> k_t;       // [dp][key_stride]: K̂ᵀ of the key block as (exact) floats
+  std::vector<float> k_scale;   // [block_n]
+  std::vector<double> v_t;      // [block_n][dp_stride]: V̂ᵀ of the key block, so P̂·V̂ runs along d
+  std::vector<float> s;         // [kRowBlock][key_stride]: dot products, then scores
+  std::vector<double> p_hat;    // [kRowBlock][block_n]
+  std::vector<float> o32;       // [kRowBlock][dp_vec]
+  std::vector<float> m, l, alpha;  // [kRowBlock]
+
+  explicit Workspace(const Problem& pb)
+      : q_rows(kRowBlock * pb.dp), k_t(pb.dp * pb.key_stride), k_scale(pb.block_n),
+        v_t(pb.block_n * pb.dp_stride), s(kRowBlock * pb.key_stride), p_hat(kRowBlock * pb.block_n),
+        o32(kRowBlock * pb.dp_vec), m(kRowBlock), l(kRowBlock), alpha(kRowBlock) {}
+};
+
+// torch.maximum and amax propagate NaN; std::max would drop it depending on argument order.
+HOT float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : std::max(a, b); }
+
+// spec.exp2_fp32: exp2 in double, one rounding to float. exp2(-inf) = 0 needs no call (masked keys).
+HOT float exp2_fp32(float x) {
+  return x == -kInf ? 0.0f : static_cast<float>(std::exp2(static_cast<double>(x)));
+}
+
+HOT bool key_allowed(const Problem& pb, int64_t b, int64_t i, int64_t j) {
+  if (pb.kv_lens && j >= (*pb.kv_lens)(b)) return false;
+  if (pb.causal == 0) return true;
+  const int64_t offset = pb.causal == 1 ? 0 : pb.n_k - pb.n_q;
+  return j <= i + offset;
+}
+
+HOT void load_query_rows(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t r0, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < pb.dp; ++d) ws.q_rows[r * pb.dp + d] = pb.q(b, h, r0 + r, d);
+  }
+}
+
+HOT void load_key_block(const Problem& pb, Workspace& ws, int64_t b, int64_t hk, int64_t start, int64_t cols) {
+  for (int64_t j = 0; j < cols; ++j) {
+    ws.k_scale[j] = pb.k_scale(b, hk, start + j);
+    for (int64_t d = 0; d < pb.dp; ++d) ws.k_t[d * pb.key_stride + j] = pb.k(b, hk, start + j, d);
+  }
+  for (int64_t d = 0; d < pb.dp; ++d) {
+    for (int64_t j = 0; j < cols; ++j) ws.v_t[j * pb.dp_stride + d] = pb.v(b, hk, d, start + j);
+  }
+}
+
+// Dot products of kTileRows query rows with the key block (whole vectors of keys: the lanes past cols
+// are computed, never read). Every partial sum is an integer below 2^24 (kMaxExactDp), so fp32
+// reproduces the spec's int32 matmul exactly, in any order.
+HOT void qk_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
+  for (int64_t j0 = 0; j0 < cols; j0 += kFloatLanes) {
+    Floats acc[kTileRows] = {};
+    for (int64_t d = 0; d < pb.dp; ++d) {
+      const Floats k = load<Floats>(&ws.k_t[d * pb.key_stride + j0]);
+      for (int64_t r = 0; r < kTileRows; ++r) acc[r] += ws.q_rows[(r0 + r) * pb.dp + d] * k;
+    }
+    for (int64_t r = 0; r < kTileRows; ++r) store(&ws.s[(r0 + r) * pb.key_stride + j0], acc[r]);
+  }
+}
+
+// P̂·V̂ of kTileRows rows, then o32 = o32·α + P̂·V̂. The product runs in double with j in order for
+// every element (vectors run along d): that is the spec's float64 matmul exactly, since for e4m3 every
+// partial sum is exact (see spec.py), and so is each fp16 product, leaving only the order of an inexact
+// fp16 sum, which the spec does not fix either.
+HOT void pv_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
+  for (int64_t d0 = 0; d0 < pb.dp_vec; d0 += kDoubleLanes) {
+    Doubles acc[kTileRows] = {};
+    for (int64_t j = 0; j < cols; ++j) {
+      const Doubles v = load<Doubles>(&ws.v_t[j * pb.dp_stride + d0]);
+      for (int64_t r = 0; r < kTileRows; ++r) acc[r] += ws.p_hat[(r0 + r) * pb.block_n + j] * v;
+    }
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      float* o32 = &ws.o32[(r0 + r) * pb.dp_vec + d0];
+      store(o32, load<HalfFloats>(o32) * ws.alpha[r0 + r] + __builtin_convertvector(acc[r], HalfFloats));
+    }
+  }
+}
+
+// Turns row r's dot products into base-2 scores, masked to -inf; same op order as the spec.
+HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t i, int64_t r,
+                       int64_t start, int64_t cols) {
+  const float qs = pb.q_scale(b, h, i);
+  float* s = &ws.s[r * pb.key_stride];
+  for (int64_t j = 0; j < cols; ++j) {
+    float score = s[j] * qs * ws.k_scale[j];
+    if (pb.delta_s) score = score + (*pb.delta_s)(b, h, i / pb.q_group, start + j);
+    s[j] = key_allowed(pb, b, i, start + j) ? score : -kInf;
+  }
+}
+
+// The spec's online-softmax step for query row i (row r of the task), up to the P̂·V̂ product.
+HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t i, int64_t r,
+                         int64_t start, int64_t cols) {
+  row_scores(pb, ws, b, h, i, r, start, cols);
+  float* s = &ws.s[r * pb.key_stride];
+  float block_max = -kInf;
+  for (int64_t j = 0; j < cols; ++j) block_max = nan_max(block_max, s[j]);
+  const float m_new = nan_max(ws.m[r], block_max);
+  const float m_safe = m_new == -kInf ? 0.0f : m_new;
+  ws.alpha[r] = exp2_fp32(ws.m[r] - m_safe);
+  double p_sum = 0.0;
+  for (int64_t j = 0; j < cols; ++j) {
+    s[j] = exp2_fp32(s[j] - m_safe);  // now P̃
+    p_sum += static_cast<double>(s[j]);
+  }
+  double* p_hat = &ws.p_hat[r * pb.block_n];
+  for (int64_t j = 0; j < cols; ++j) p_hat[j] = round_pv(s[j] * kPScale, pb.v.pv);  // apart: vectorizes
+  ws.l[r] = ws.l[r] * ws.alpha[r] + static_cast<float>(p_sum);
+  ws.m[r] = m_new;
+}
+
+// A row without any valid key (l == 0, or l NaN) gets lse -inf and no v_mean; its output is o32·0,
+// i.e. 0, or NaN when NaN reached o32, exactly as the spec computes it.
+HOT void finish_row(const Problem& pb, const Workspace& ws, int64_t b, int64_t h, int64_t hk, int64_t i,
+                       int64_t r) {
+  const float l = ws.l[r];
+  const bool has_keys = l > 0.0f;
+  const float inv = has_keys ? 1.0f / (l * kPScale) : 0.0f;
+  const float* o32 = &ws.o32[r * pb.dp_vec];
+  for (int64_t d = 0; d < pb.head_dim; ++d) {
+    float o = o32[d] * inv * pb.v_scale(b, hk, d);
+    if (pb.v_mean) o = o + (has_keys ? (*pb.v_mean)(b, hk, d) : 0.0f);
+    pb.out.store(b, h, i, d, o);
+  }
+  const float log2_l = static_cast<float>(std::log2(static_cast<double>(l)));
+  pb.lse(b, h, i) = has_keys ? (ws.m[r] + log2_l) / static_cast<float>(kLog2e) : -kInf;
+}
+
+// Clones for AVX-512 and AVX2 give the same bits as the default one: -ffp-contract=off forbids FMA,
+// and the vectors only ever run across independent elements, never reassociating a sum.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void attend_rows(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t r0, int64_t rows) {
+  const int64_t hk = h / (pb.hq / pb.hkv);
+  const int64_t tile_rows = round_up(rows, kTileRows);  // rows past `rows` hold stale data, never read
+  load_query_rows(pb, ws, b, h, r0, rows);
+  std::fill(ws.m.begin(), ws.m.end(), -kInf);
+  std::fill(ws.l.begin(), ws.l.end(), 0.0f);
+  std::fill(ws.o32.begin(), ws.o32.end(), 0.0f);
+  for (int64_t start = 0; start < pb.n_k; start += pb.block_n) {
+    const int64_t cols = std::min(pb.block_n, pb.n_k - start);
+    load_key_block(pb, ws, b, hk, start, cols);
+    for (int64_t t = 0; t < tile_rows; t += kTileRows) qk_tile(pb, ws, t, cols);
+    for (int64_t r = 0; r < rows; ++r) softmax_step(pb, ws, b, h, r0 + r, r, start, cols);
+    for (int64_t t = 0; t < tile_rows; t += kTileRows) pv_tile(pb, ws, t, cols);
+  }
+  for (int64_t r = 0; r < rows; ++r) finish_row(pb, ws, b, h, hk, r0 + r, r);
+}
+
+void run(const Problem& pb, int num_threads) {
+  const int64_t row_blocks = (pb.n_q + kRowBlock - 1) / kRowBlock;
+  const int64_t tasks = pb.batch * pb.hq * row_blocks;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Workspace ws(pb);
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t bh = t / row_blocks;
+      const int64_t r0 = (t % row_blocks) * kRowBlock;
+      attend_rows(pb, ws, bh / pb.hq, bh % pb.hq, r0, std::min(kRowBlock, pb.n_q - r0));
+    }
+  }
+}
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw py::value_error("sage_compile._C.quantized_attention: " + what);
+}
+
+void quantized_attention(const TensorArg& q, const TensorArg& q_scale, const TensorArg& k,
+                         const TensorArg& k_scale, const TensorArg& v, const TensorArg& v_scale,
+                         const std::optional<TensorArg>& v_mean, const std::optional<TensorArg>& delta_s,
+                         const std::optional<TensorArg>& kv_lens, const TensorArg& out, const TensorArg& lse,
+                         const std::array<int64_t, 6>& sizes, int64_t head_dim, int64_t q_group, int64_t causal,
+                         int64_t block_n, int num_threads) {
+  const auto [batch, hq, hkv, n_q, n_k, dp] = sizes;
+  // Only what keeps this function from dividing by zero or indexing past what Python sized.
+  check(batch >= 0 && n_q >= 0 && n_k >= 0 && dp >= 0, "negative size");
+  check(hkv > 0 && hq % hkv == 0, "Hq must be a positive multiple of Hkv");
+  check(head_dim >= 0 && head_dim <= dp, "head_dim must be in [0, Dp]");
+  check(q_group > 0 && block_n > 0, "q_group and block_n must be positive");
+  check(dp <= kMaxExactDp, "Dp > 1024: fp32 dot products would no longer be exact");
+  check(causal >= 0 && causal <= 2, "causal must be 0, 1 or 2");
+  check(num_threads > 0, "num_threads must be positive");
+  const Problem pb{
+      batch, hq, hkv, n_q, n_k, dp, head_dim, q_group, block_n, static_cast<int>(causal),
+      view<const int8_t, 4>(q, "q", "int8"), view<const int8_t, 4>(k, "k", "int8"),
+      view<const float, 3>(q_scale, "q_scale", "float32"), view<const float, 3>(k_scale, "k_scale", "float32"),
+      view<const float, 3>(v_scale, "v_scale", "float32"),
+      optional_view<const float, 3>(v_mean, "v_mean", "float32"),
+      optional_view<const float, 4>(delta_s, "delta_s", "float32"), kv_lens_view(kv_lens),
+      PvTensor{reinterpret_cast<const uint8_t*>(std::get<0>(v)), checked_strides<4>(v, "v"),
+               pv_format(std::get<1>(v))},
+      out_tensor(out), view<float, 3>(lse, "lse", "float32")};
+  py::gil_scoped_release no_gil;
+  run(pb, num_threads);
+}
+
+// Test hooks: the kernel's own conversions on n contiguous elements, to compare with torch's casts.
+// round_pv: float32 → float32 as spec.quantize_pv_operand rounds to `pv_dtype`.
+void round_pv_hook(uintptr_t src, uintptr_t dst, int64_t n, const std::string& pv_dtype) {
+  const PvFormat pv = pv_format(pv_dtype);
+  const auto* from = reinterpret_cast<const float*>(src);
+  auto* to = reinterpret_cast<float*>(dst);
+  for (int64_t e = 0; e < n; ++e) to[e] = round_pv(from[e], pv);
+}
+
+// cast: float32 → bfloat16 / float16 codes (outputs), or float8_e4m3fn / float16 codes → float32 (V̂).
+void cast_hook(uintptr_t src, const std::string& src_dtype, uintptr_t dst, const std::string& dst_dtype,
+               int64_t n) {
+  if (src_dtype == "float32" && (dst_dtype == "bfloat16" || dst_dtype == "float16")) {
+    const OutFormat& fmt = dst_dtype == "bfloat16" ? kBF16Out : kF16Out;
+    const auto* from = reinterpret_cast<const float*>(src);
+    auto* to = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t e = 0; e < n; ++e) to[e] = encode(from[e], fmt);
+    return;
+  }
+  if (dst_dtype == "float32") {
+    const PvFormat pv = pv_format(src_dtype);
+    const auto* from = reinterpret_cast<const uint8_t*>(src);
+    auto* to = reinterpret_cast<float*>(dst);
+    for (int64_t e = 0; e < n; ++e) {
+      uint16_t code = 0;
+      std::memcpy(&code, from + pv.bytes * e, pv.bytes);  // little endian: the low bytes
+      to[e] = pv.table[code];
+    }
+    return;
+  }
+  throw py::type_error("_cast: unsupported conversion " + src_dtype + " -> " + dst_dtype);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Exact C++ CPU reference kernel of sage.quantized_attention (see sage_compile/spec.py).";
+  m.def("quantized_attention", &quantized_attention,
+        "Writes out [B,Hq,Nq,head_dim] and lse [B,Hq,Nq] through their strides. Each tensor is "
+        "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). Runs on num_threads "
+        "OpenMP threads without the GIL.",
+        py::kw_only(), py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
+        py::arg("v_scale"), py::arg("v_mean"), py::arg("delta_s"), py::arg("kv_lens"), py::arg("out"),
+        py::arg("lse"), py::arg("sizes"), py::arg("head_dim"), py::arg("q_group"), py::arg("causal"),
+        py::arg("block_n"), py::arg("num_threads"));
+  m.def("_round_pv", &round_pv_hook, "Test hook: P̂ rounding (clamp to ±448, round to pv_dtype), fp32 → fp32.",
+        py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("pv_dtype"));
+  m.def("_cast", &cast_hook, "Test hook: fp32 → bf16/fp16 codes (outputs), e4m3fn/fp16 codes → fp32 (V̂).",
+        py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"));
+}

@@ -1,0 +1,100 @@
+"""The C++ CPU kernel (``sage_compile._C``): ``spec.quantized_attention_reference`` bit for bit, faster.
+
+The extension takes raw pointers and strides, so it trusts the shapes it is given: ``run`` checks them
+first. Importing this module fails when the extension is not built, and the dispatcher then skips it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _C, spec
+from . import KernelArgs
+
+NAME = "cpu"
+
+_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens")
+_SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
+_V_DTYPES = (torch.float8_e4m3fn, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KV_LENS_DTYPES = (torch.int32, torch.int64)
+
+
+def supports(args: KernelArgs) -> Optional[str]:
+    if args.device.type != "cpu":
+        return f"device is {args.device.type}, not cpu"
+    for name in ("q", "k"):
+        if getattr(args, name).dtype != torch.int8:
+            return f"{name}.dtype={getattr(args, name).dtype}, expected int8"
+    for name in _SCALE_FIELDS:
+        t = getattr(args, name)
+        if t is not None and t.dtype != torch.float32:
+            return f"{name}.dtype={t.dtype}, expected float32"
+    if args.v.dtype not in _V_DTYPES:
+        return f"v.dtype={args.v.dtype}, expected float8_e4m3fn or float16"
+    if args.out_dtype not in _OUT_DTYPES:
+        return f"out_dtype={args.out_dtype}, expected bfloat16, float16 or float32"
+    if args.kv_lens is not None and args.kv_lens.dtype not in _KV_LENS_DTYPES:
+        return f"kv_lens.dtype={args.kv_lens.dtype}, expected int32 or int64"
+    return None
+
+
+def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
+    _check_inputs(args, out, lse)
+    batch, hq, n_q, dp = args.q.shape
+    hkv, n_k = args.k.shape[1], args.k.shape[2]
+    _C.quantized_attention(
+        q=_tensor_arg(args.q), q_scale=_tensor_arg(args.q_scale), k=_tensor_arg(args.k),
+        k_scale=_tensor_arg(args.k_scale), v=_tensor_arg(args.v), v_scale=_tensor_arg(args.v_scale),
+        v_mean=_tensor_arg(args.v_mean), delta_s=_tensor_arg(args.delta_s), kv_lens=_tensor_arg(args.kv_lens),
+        out=_tensor_arg(out), lse=_tensor_arg(lse), sizes=(batch, hq, hkv, n_q, n_k, dp),
+        head_dim=args.head_dim, q_group=args.q_group, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
+        num_threads=torch.get_num_threads(),  # honour torch.set_num_threads, like torch's own CPU ops
+    )
+
+
+def _tensor_arg(t: Optional[torch.Tensor]):
+    if t is None:
+        return None
+    return t.data_ptr(), str(t.dtype).removeprefix("torch."), tuple(t.stride())
+
+
+def _check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The C++ reads and writes wherever pointers, sizes and strides say: a wrong shape or a tensor on
+    another device must stop here."""
+    if args.q.dim() != 4 or args.k.dim() != 4:
+        raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
+                         f"{tuple(args.k.shape)}")
+    batch, hq, n_q, dp = args.q.shape
+    hkv, n_k = args.k.shape[1], args.k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"sage.quantized_attention: Hq={hq} is not a multiple of Hkv={hkv}")
+    if args.q_group < 1 or not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
+        raise ValueError(f"sage.quantized_attention: q_group={args.q_group}, head_dim={args.head_dim} "
+                         f"(Dp={dp}), causal={args.causal} out of range")
+    expected = {
+        "q_scale": (batch, hq, n_q),
+        "k": (batch, hkv, n_k, dp),
+        "k_scale": (batch, hkv, n_k),
+        "v_scale": (batch, hkv, dp),
+        "v_mean": (batch, hkv, dp),
+        "delta_s": (batch, hq, math.ceil(n_q / args.q_group), n_k),
+        "kv_lens": (batch,),
+        "out": (batch, hq, n_q, args.head_dim),
+        "lse": (batch, hq, n_q),
+    }
+    tensors = {name: getattr(args, name) for name in _TENSOR_FIELDS}
+    tensors.update(out=out, lse=lse)
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            raise ValueError(f"sage.quantized_attention: {name} is on {t.device}; the cpu kernel needs cpu")
+        if name in expected and tuple(t.shape) != expected[name]:
+            raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    v_shape = tuple(args.v.shape)
+    if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
+        raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

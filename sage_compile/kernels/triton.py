@@ -1,0 +1,441 @@
+"""Portable GPU kernel for ``sage.quantized_attention``, written in Triton (any CUDA GPU with sm80+).
+
+One program = one block of BLOCK_M queries of one (batch, query head); it walks the key blocks that can be
+visible (causal block skipping: the blocks every row sees run without masks, only the diagonal / tail
+blocks are masked), in the order and with the block boundaries of ``spec.quantized_attention_reference``
+(blocks start at multiples of BLOCK_N, so the oracle with ``block_n=config.block_n`` is the same function):
+
+    S  = (q̂·k̂ᵀ int32 → fp32) · δQ[row] · δK[col] (+ ΔS[row // q_group, col])   (base-2 score units)
+    m' = max(m, rowmax S);  P̃ = exp2(S − m'_safe);  α = exp2(m − m'_safe);  l = l·α + ΣP̃
+    acc = P̂·V̂ (P̂ = e4m3(P̃·448) or fp16; fp32 accumulator started from zero, one key block only)
+    O32 = O32·α + acc                                          (two-level accumulation, true fp32)
+    out = O32 · (1/(448·l)) · δV (+ μV);   lse = (m + log2 l) / log2 e
+
+V̂ is stored transposed ([B, Hkv, Dp, Nk_pad16]) so the PV dot gets a K-major B operand (what the FP8
+tensor-core instructions want). GQA maps query head h to key head h // (Hq // Hkv); nothing is copied.
+Launches go to the current stream, nothing is allocated and nothing syncs: CUDA-graph safe.
+
+Arithmetic differs from the oracle only by rounding (tests/gpu/test_triton_kernel.py bounds it): int32 →
+fp32 by the exact 1.5·2^23 bit trick instead of I2F, δK applied before δQ, 448 folded into the exponent
+(exp2(S − (m − log2 448)) = 448·P̃), fused multiply-adds, and the GPU's approximate exp2. The unmasked fast
+path takes max_j S = δQ·max_j(x·δK), so it assumes δQ ≥ 0, i.e. a positive softmax scale (spec.prepare's).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import KernelArgs
+
+NAME = "triton"
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+try:  # host-side TMA descriptors (Hopper+); absent in old Triton
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover
+    _TensorDescriptor = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configurations
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int  # the key block: pass it as ``block_n`` to the oracle to get the same function
+    num_warps: int
+    num_stages: int
+    tma: bool = False  # K/V through host TMA descriptors (sm90+, contiguous K and V only)
+    fast: bool = True  # the folded softmax (no I2F, 448 in the exponent); False: the spec's formulas verbatim
+
+    def __str__(self):
+        return (f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+                f"{'-tma' if self.tma else ''}{'' if self.fast else '-plain'}")
+
+    def text(self) -> str:
+        extra = (",tma" if self.tma else "") + ("" if self.fast else ",plain")
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{extra}"
+
+    @staticmethod
+    def parse(text: str) -> "Config":
+        """'128,64,8,3[,tma][,plain]' → Config (the SAGE_TRITON_CONFIG override and the benchmark)."""
+        parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+        flags = set(parts[4:])
+        if len(parts) < 4 or not flags <= {"tma", "plain"}:
+            raise ValueError(
+                f"SAGE_TRITON_CONFIG={text!r}: expected 'block_m,block_n,num_warps,num_stages[,tma][,plain]'")
+        return Config(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]),
+                      tma="tma" in flags, fast="plain" not in flags)
+
+
+# Measured table, H200 (triton 3.6, bench/kernel_bench.py --sweep, 3 rounds): (padded head dim, causal,
+# long) → Config. "long" = Nk > 1024 (a coarse bucket, so a dynamic N does not switch configs at every
+# size). One warpgroup per program (4 warps) lets two programs share an SM, so one's softmax overlaps the
+# other's MMAs: 20–35% over 8 warps × BLOCK_M 128 at D=128. 32 and 256 are not measured: 32 follows 64;
+# 256 uses BLOCK_N 64 to keep registers and shared memory in bounds.
+_TABLE = {
+    (32, False, False): Config(64, 128, 4, 3, tma=True), (32, False, True): Config(64, 128, 4, 3, tma=True),
+    (32, True, False): Config(64, 64, 4, 3), (32, True, True): Config(128, 128, 4, 3),
+    (64, False, False): Config(64, 128, 4, 3, tma=True), (64, False, True): Config(64, 128, 4, 3, tma=True),
+    (64, True, False): Config(64, 64, 4, 3), (64, True, True): Config(128, 128, 4, 3),
+    (128, False, False): Config(64, 128, 4, 3, tma=True), (128, False, True): Config(64, 128, 4, 3, tma=True),
+    (128, True, False): Config(64, 128, 4, 3, tma=True), (128, True, True): Config(64, 128, 4, 3, tma=True),
+    (256, False, False): Config(64, 64, 4, 2), (256, False, True): Config(64, 64, 4, 2),
+    (256, True, False): Config(64, 64, 4, 2), (256, True, True): Config(64, 64, 4, 2),
+}
+
+
+def config_for(args: KernelArgs) -> Config:
+    """The launch configuration ``run`` uses for ``args`` (tests read ``.block_n`` to feed the oracle)."""
+    override = os.environ.get("SAGE_TRITON_CONFIG")
+    if override:
+        return Config.parse(override)
+    dp = args.q.shape[-1]
+    cfg = _TABLE[(dp, args.causal != 0, args.k.shape[2] > 1024)]
+    if cfg.tma and not _tma_ok(args):
+        cfg = replace(cfg, tma=False)
+    return _fit_shared_memory(cfg, args)
+
+
+def _smem_estimate(cfg: Config, dp: int, v_bytes: int, ds_tile: bool) -> int:
+    """Shared memory of the pipelined loop: within 1% of Triton's own for K/V; over-counts the ΔS tile."""
+    per_stage = cfg.block_n * dp + dp * cfg.block_n * v_bytes + cfg.block_n * 4
+    if ds_tile:  # a [BLOCK_M, BLOCK_N] fp32 ΔS tile per stage
+        per_stage += cfg.block_m * cfg.block_n * 4
+    return cfg.num_stages * per_stage + cfg.block_m * dp
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", 101376) - 4096  # margin for Triton's scratch
+
+
+def _fit_shared_memory(cfg: Config, args: KernelArgs) -> Config:
+    """Fewer stages, then smaller key blocks, until the loop fits this GPU (sm86/89 have ~100 KB)."""
+    if args.device.type != "cuda":
+        return cfg
+    limit = _smem_limit(args.device.index if args.device.index is not None else torch.cuda.current_device())
+    dp, v_bytes = args.q.shape[-1], args.v.element_size()
+    while True:
+        ds_tile = args.delta_s is not None and args.q_group % cfg.block_m != 0
+        if _smem_estimate(cfg, dp, v_bytes, ds_tile) <= limit:
+            return cfg
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 32:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 64:
+            cfg = replace(cfg, block_m=64)
+        else:
+            return cfg
+
+
+def block_n_for(args: KernelArgs) -> int:
+    return config_for(args).block_n
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_block(
+    o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset, k_ptrs, ks_ptrs, v_ptrs, k_desc, v_desc,
+    k_row0, v_row0, ds_ptrs, Nk, NKP,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, DS_MODE: tl.constexpr,
+    PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr, FAST: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if USE_TMA:
+        k = k_desc.load([k_row0 + start_n, 0])  # rows past this head's Nk are finite, masked below
+    elif MASK:
+        k = tl.load(k_ptrs, mask=(offs_n < Nk)[:, None], other=0)
+    else:
+        k = tl.load(k_ptrs)
+    if MASK:
+        ks = tl.load(ks_ptrs, mask=offs_n < Nk, other=0.0)
+    else:
+        ks = tl.load(ks_ptrs)
+    qk = tl.dot(q, tl.trans(k))  # exact int32
+    if FAST:
+        # int32 → fp32 without I2F (a quarter-rate conversion, as costly as the exp2 itself): |qk| ≤
+        # 127²·256 < 2^22, so the bits qk + 0x4B400000 are the fp32 1.5·2^23 + qk exactly (spacing 1).
+        x = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    else:
+        x = qk.to(tl.float32)
+    u = x * ks[None, :]  # S = u·δQ (the oracle's (x·δQ)·δK, rounded in the other order)
+    # P̂ = e4m3(448·exp2(S − m)) is computed as e4m3(exp2(S − (m − log2 448))): the ·448 rides in the
+    # subtraction (FAST), so l below sums 448·P̃ and the epilogue divides by it.
+    if FAST and DS_MODE == 0 and not MASK:
+        # every score finite, δQ ≥ 0: max_j S = δQ·max_j u, and S − m' is one FMA per element
+        m_new = tl.maximum(m, tl.max(u, 1) * qs)
+        m_safe = m_new
+        arg = u * qs[:, None] - (m_safe - 8.807354922057604)[:, None]
+    else:
+        s = u * qs[:, None]
+        if DS_MODE == 1:  # one ΔS row for the whole query block
+            if MASK:
+                s += tl.load(ds_ptrs, mask=offs_n < Nk, other=0.0)[None, :]
+            else:
+                s += tl.load(ds_ptrs)[None, :]
+        elif DS_MODE == 2:  # rows of the block fall in different Q groups
+            if MASK:
+                s += tl.load(ds_ptrs, mask=(offs_n < Nk)[None, :], other=0.0)
+            else:
+                s += tl.load(ds_ptrs)
+        if MASK:
+            allowed = (offs_n < n_valid)[None, :]
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P̃ = 0, α = 0
+        else:  # every score finite here, so the row max is too
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = m_new
+        if FAST:
+            arg = s - (m_safe - 8.807354922057604)[:, None]
+        else:
+            arg = s - m_safe[:, None]
+    p = tl.math.exp2(arg)  # 448·P̃ (FAST) or P̃
+    alpha = tl.math.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    if USE_TMA:
+        vt = v_desc.load([v_row0, start_n])  # [Dp, BLOCK_N]; columns past Nk_pad16 read as zero
+    elif MASK:
+        vt = tl.load(v_ptrs, mask=(offs_n < NKP)[None, :], other=0.0)
+    else:
+        vt = tl.load(v_ptrs)
+    if not FAST:
+        p = p * 448.0
+    if PV_FP8:
+        p_hat = p.to(tl.float8e4nv)  # 448·P̃ ≤ 448 (the cast saturates anyway)
+    else:
+        p_hat = p.to(tl.float16)
+    # A fresh accumulator per key block, then the fp32 update: Triton folds `x + dot(a, b, 0)` into
+    # `dot(a, b, x)` only when max_num_imprecise_acc == 0, which sm90 never uses for fp8; elsewhere
+    # IMPRECISE (= BLOCK_N) keeps the FP8 MMA from accumulating across key blocks.
+    if IMPRECISE > 0:
+        acc = tl.dot(p_hat, tl.trans(vt), max_num_imprecise_acc=IMPRECISE)
+    else:
+        acc = tl.dot(p_hat, tl.trans(vt))
+    o = o * alpha[:, None] + acc
+    return o, m_new, l
+
+
+@triton.jit(
+    do_not_specialize=[
+        "Nq", "Nk", "q_group", "head_dim", "causal_offset", "has_vm", "has_kvl",
+        "sqs_b", "sqs_h", "sks_b", "sks_h", "sds_b", "sds_h", "sds_g", "slse_b", "slse_h",
+        "svs_b", "svs_h", "svm_b", "svm_h",
+    ]
+)
+def _attn_fwd(
+    Q, K, V, QS, KS, VS, VM, DS, KVL, Out, Lse, k_desc, v_desc,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_d,
+    sqs_b, sqs_h, sks_b, sks_h, svs_b, svs_h, svm_b, svm_h, sds_b, sds_h, sds_g,
+    so_b, so_h, so_n, so_d, slse_b, slse_h,
+    Hq, GQA, Hkv, Nq, Nk, NKP, q_group, head_dim, causal_offset, has_vm, has_kvl,
+    HEAD_DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DS_MODE: tl.constexpr, PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    if CAUSAL:  # heaviest query blocks first: the light ones fill the tail of the grid
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GQA
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+
+    q_lo = pid_m * BLOCK_M
+    offs_m = q_lo + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DP)
+    row_ok = offs_m < Nq
+
+    q_ptrs = Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
+    qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
+
+    k_ptrs = K + b64 * sk_b + hk64 * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
+    ks_ptrs = KS + b64 * sks_b + hk64 * sks_h + offs_n
+    v_ptrs = V + b64 * sv_b + hk64 * sv_h + offs_d[:, None] * sv_d + offs_n[None, :]
+    k_row0 = (b * Hkv + hk) * Nk
+    v_row0 = (b * Hkv + hk) * HEAD_DP
+    if DS_MODE == 1:
+        ds_ptrs = DS + b64 * sds_b + h64 * sds_h + (q_lo // q_group) * sds_g + offs_n
+    elif DS_MODE == 2:
+        groups = tl.minimum(offs_m, Nq - 1) // q_group  # tail rows clamped: no out-of-bounds group
+        ds_ptrs = DS + b64 * sds_b + h64 * sds_h + groups[:, None] * sds_g + offs_n[None, :]
+    else:
+        ds_ptrs = DS
+
+    n_valid = Nk
+    if has_kvl != 0:
+        n_valid = tl.minimum(tl.maximum(tl.load(KVL + b).to(tl.int32), 0), Nk)
+    if CAUSAL:
+        q_hi = tl.minimum(q_lo + BLOCK_M, Nq)
+        hi = tl.minimum(n_valid, q_hi + causal_offset)
+        full = tl.minimum(n_valid, q_lo + causal_offset + 1)
+    else:
+        hi = n_valid
+        full = n_valid
+    hi = tl.maximum(hi, 0)
+    full_end = (tl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, HEAD_DP], tl.float32)
+
+    # Key blocks every row of this query block sees in full: no masks.
+    for start_n in range(0, full_end, BLOCK_N):
+        o, m, l = _attn_block(
+            o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
+            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
+            ds_ptrs + start_n, Nk, NKP,
+            BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST,
+        )
+    # Diagonal (causal), kv_lens and tail blocks: masked.
+    for start_n in range(full_end, hi, BLOCK_N):
+        o, m, l = _attn_block(
+            o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
+            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
+            ds_ptrs + start_n, Nk, NKP,
+            BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST,
+        )
+
+    if FAST:
+        l448 = l  # l summed 448·P̃
+    else:
+        l448 = l * 448.0
+    has_keys = l448 > 0.0
+    inv = tl.where(has_keys, 1.0 / l448, 0.0)
+    vs = tl.load(VS + b64 * svs_b + hk64 * svs_h + offs_d)
+    out = o * inv[:, None] * vs[None, :]
+    if has_vm != 0:
+        vm = tl.load(VM + b64 * svm_b + hk64 * svm_h + offs_d)
+        out = out + tl.where(has_keys[:, None], vm[None, :], 0.0)
+    o_ptrs = Out + b64 * so_b + h64 * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
+    lse = tl.where(has_keys, (m + (tl.log2(l448) - 8.807354922057604)) * 0.6931471805599453, float("-inf"))
+    tl.store(Lse + b64 * slse_b + h64 * slse_h + offs_m, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device)
+
+
+def supports(args: KernelArgs) -> Optional[str]:
+    if args.device.type != "cuda":
+        return f"needs a CUDA device (got {args.device.type})"
+    if torch.version.hip is not None:
+        return "ROCm is not supported by this kernel (CUDA only)"
+    cap = _capability(args.device)
+    if cap < (8, 0):
+        return f"needs compute capability >= 8.0 (got {cap[0]}.{cap[1]})"
+    dp = args.q.shape[-1]
+    if dp not in SUPPORTED_HEAD_DIMS:
+        return f"padded head dim {dp} not supported (supported: {SUPPORTED_HEAD_DIMS})"
+    if args.q.dtype != torch.int8 or args.k.dtype != torch.int8:
+        return f"q/k must be int8 (got {args.q.dtype}, {args.k.dtype})"
+    if args.v.dtype == torch.float8_e4m3fn:
+        if cap < (8, 9):
+            return f"fp8 (e4m3) PV needs compute capability >= 8.9 (got {cap[0]}.{cap[1]}); use pv='fp16'"
+    elif args.v.dtype != torch.float16:
+        return f"v must be float8_e4m3fn or float16 (got {args.v.dtype})"
+    if args.out_dtype not in _OUT_DTYPES:
+        return f"out dtype {args.out_dtype} not supported (supported: {_OUT_DTYPES})"
+    if args.causal not in (0, 1, 2):
+        return f"causal={args.causal} not supported (0, 1, 2)"
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "v_mean", "delta_s"):
+        t = getattr(args, name)
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
+    for name in ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s"):
+        t = getattr(args, name)
+        if t is not None and t.dtype != torch.float32:
+            return f"{name} must be float32 (got {t.dtype})"
+    return None
+
+
+def _tma_ok(args: KernelArgs) -> bool:
+    return (
+        _TensorDescriptor is not None
+        and args.device.type == "cuda"
+        and _capability(args.device) >= (9, 0)
+        and args.k.shape[2] > 0
+        and args.k.is_contiguous()
+        and args.v.is_contiguous()
+        and args.k.data_ptr() % 16 == 0
+        and args.v.data_ptr() % 16 == 0
+    )
+
+
+def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, config: Optional[Config] = None) -> None:
+    cfg = config if config is not None else config_for(args)
+    if args.q.shape[0] == 0 or args.q.shape[1] == 0 or args.q.shape[2] == 0:
+        return
+    if out.stride(-1) != 1 and args.head_dim > 1:
+        raise ValueError(f"triton kernel: out must be contiguous in its last dim, strides {tuple(out.stride())}")
+    _launch(args, out, lse, cfg, _capability(args.device), cfg.tma and _tma_ok(args))
+
+
+def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup: bool = False):
+    """Launch (or, with warmup=True, only compile) the kernel; ``cap`` is the target's capability."""
+    q, k, v = args.q, args.k, args.v
+    batch, hq, n_q, dp = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    nkp = v.shape[-1]
+    dummy = args.q_scale
+    vm = args.v_mean if args.v_mean is not None else args.v_scale
+    ds = args.delta_s if args.delta_s is not None else dummy
+    kvl = args.kv_lens if args.kv_lens is not None else dummy
+    if args.delta_s is None:
+        ds_mode = 0
+    elif args.q_group % cfg.block_m == 0:
+        ds_mode = 1
+    else:
+        ds_mode = 2
+    pv_fp8 = v.dtype == torch.float8_e4m3fn
+    # sm90 keeps fp8 dots unfused by default (max_num_imprecise_acc 2^30); elsewhere say so explicitly.
+    imprecise = cfg.block_n if (pv_fp8 and tuple(cap) != (9, 0)) else 0
+    if use_tma:
+        k_desc = _TensorDescriptor(k, [batch * hkv * n_k, dp], [dp, 1], [cfg.block_n, dp])
+        v_desc = _TensorDescriptor(v, [batch * hkv * dp, nkp], [nkp, 1], [dp, cfg.block_n])
+    else:
+        k_desc = v_desc = 0
+    causal_offset = n_k - n_q if args.causal == 2 else 0
+    ds_strides = ds.stride() if args.delta_s is not None else (0, 0, 0)
+    grid = (triton.cdiv(n_q, cfg.block_m), batch * hq)
+    call = _attn_fwd.warmup if warmup else _attn_fwd[grid]
+    extra = {"grid": grid} if warmup else {}
+    return call(
+        q, k, v, args.q_scale, args.k_scale, args.v_scale, vm, ds, kvl, out, lse, k_desc, v_desc,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        args.q_scale.stride(0), args.q_scale.stride(1), args.k_scale.stride(0), args.k_scale.stride(1),
+        args.v_scale.stride(0), args.v_scale.stride(1), vm.stride(0), vm.stride(1),
+        ds_strides[0], ds_strides[1], ds_strides[2],
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1),
+        hq, hq // hkv, hkv, n_q, n_k, nkp, args.q_group, args.head_dim, causal_offset,
+        int(args.v_mean is not None), int(args.kv_lens is not None),
+        HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
+        DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma, FAST=cfg.fast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )

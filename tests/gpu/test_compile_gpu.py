@@ -1,0 +1,93 @@
+"""The whole pipeline on a CUDA GPU: backend="sage" → fused prep + Triton kernel, graphs, CUDA graphs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sage_compile
+from sage_compile import SageConfig
+from sage_compile.demo_model import DemoTransformer
+
+pytestmark = pytest.mark.gpu
+
+
+def _cos(a, b):
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def _model_and_input(n=1024, layers=3):
+    torch.manual_seed(0)
+    model = DemoTransformer(layers=layers, dim=512, heads=4).cuda().bfloat16().eval()  # head dim 128
+    return model, torch.randn(2, n, 512, device="cuda", dtype=torch.bfloat16)
+
+
+def test_generated_code_runs_the_quantized_op_per_layer_and_no_sdpa():
+    from torch._inductor.utils import run_and_get_code
+
+    model, x = _model_and_input()
+    compiled = sage_compile.compile(model, options={"force_disable_caches": True})
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, x)
+        ref = model(x)
+    code = "\n".join(codes)
+    assert code.count("torch.ops.sage.quantized_attention.default(") == 3
+    assert "scaled_dot_product" not in code
+    assert _cos(out, ref) > 0.999
+
+
+def test_prep_fuses_into_the_producers():
+    """Q quantization fuses with its producer: no kernel in the generated code only casts q to int8
+    without computing its amax; per-token amax and rounding live in the same kernel."""
+    from torch._inductor.utils import run_and_get_code
+
+    def block(xq, xk, v):
+        q, k = (torch.nn.functional.rms_norm(t, (t.shape[-1],)).transpose(1, 2) for t in (xq, xk))
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+
+    xq, xk, v = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    compiled = sage_compile.compile(block, options={"force_disable_caches": True})
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, xq, xk, v)
+    code = "\n".join(codes)
+    kernels = code.count("@triton.jit")
+    assert kernels <= 8, f"prep split into {kernels} kernels"
+    assert _cos(out, block(*(t.float() for t in (xq, xk, v)))) > 0.999
+
+
+def test_dynamic_sequence_lengths_compile_once_on_gpu():
+    model, _ = _model_and_input()
+    torch._dynamo.utils.counters.clear()
+    compiled = sage_compile.compile(model, dynamic=True)
+    with torch.no_grad():
+        for n in (700, 1500, 2100):
+            x = torch.randn(1, n, 512, device="cuda", dtype=torch.bfloat16)
+            assert _cos(compiled(x), model(x)) > 0.999
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_reduce_overhead_cuda_graphs_equal_default_mode():
+    model, x = _model_and_input(n=512)
+    with torch.no_grad():
+        plain = sage_compile.compile(model)(x).clone()
+        graphed = sage_compile.compile(model, mode="reduce-overhead")
+        for _ in range(3):  # warm-up, record, replay
+            out = graphed(x)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+def test_explain_on_gpu_picks_the_triton_kernel():
+    model, x = _model_and_input(n=256)
+    explanation = sage_compile.explain(model, x)
+    assert [s.kernel for s in explanation.sites] == ["triton"] * 3
+    assert explanation.graph_breaks == 0
+
+
+def test_sage_attention_eager_on_gpu_matches_spec_and_sdpa():
+    from sage_compile import spec
+
+    q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = sage_compile.sage_attention(q, k, v, is_causal=True)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert _cos(out, exact) > 0.999
+    with pytest.raises(sage_compile.UnsupportedAttentionError):
+        sage_compile.sage_attention(q, k, v, dropout_p=0.5, config=SageConfig(fallback="error"))
+    assert spec.padded_head_dim(128) == 128

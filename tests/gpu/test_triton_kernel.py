@@ -1,0 +1,260 @@
+"""The Triton kernel of ``sage.quantized_attention`` against the spec's oracle (and fp32 SDPA for accuracy).
+
+Tolerance against ``spec.quantized_attention_reference`` (same ``block_n``, so the same online-softmax
+block boundaries). The kernel and the oracle compute the same function except for three roundings:
+* exp2: the GPU's ex2.approx has a relative error ~2^-22; the kernel's reassociations (δK applied before
+  δQ, 448 folded into the exponent as −log2 448, FMAs) move S − m by ~1 ulp, the same order. P̃ itself then differs by ~1e-7 relative, harmless, but P̂ = e4m3(448·P̃) has only 3 mantissa bits: when
+  448·P̃ lies within ~2^-22 (relative) of a rounding midpoint the two sides round to neighbouring e4m3
+  values, a step of 1/8–1/16 of that element. The chance is ~2·2^-22 / 2^-4 ≈ 2^-17 per element, so
+  a few elements flip in a whole test run; each moves one output row by ≤ p_j/l · 12.5% · |v_j|, which
+  is far below 1e-3 of the row unless the row has only a handful of keys.
+* the FP8 MMA accumulator keeps ~22 bits (13-bit mantissa): each block's P̂·V̂ is off by ~2^-13
+  relative per k32 step, ≤ ~2.5e-4 for a 128-key block; the fp32 two-level sum does not grow it.
+* the output cast (bf16: 2^-9 relative): a fp32 difference d flips the last bf16 bit with probability
+  ~d/ulp, so the expected |error| stays ~d.
+Together ~1e-4 relative; we allow relative L1 ≤ 2e-3 and cosine ≥ 0.99999 (≈ relative L2 ≤ 4.5e-3),
+an order of magnitude of headroom, yet ~20× below the quantization error itself (relL1 ~0.04 vs SDPA),
+so any real bug (a wrong mask, scale, block or head) fails loudly. LSE: |Δ| ≤ 1e-4 + 1e-5·|lse|.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from helpers import cosine, rel_l1
+from sage_compile import spec
+from sage_compile.kernels import KernelArgs
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
+tk = pytest.importorskip("sage_compile.kernels.triton")
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+CAP = torch.cuda.get_device_capability()
+PVS = ["fp8", "fp16"] if CAP >= (8, 9) else ["fp16"]
+REL_L1_MAX = 2e-3
+COS_MIN = 0.99999
+
+
+def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, smooth_v=False, q_block=128,
+              kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0):
+    """Prepared inputs from random bf16 q/k/v (never zeros), via spec.prepare, on the GPU."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(batch, hq, n_q, d, device=DEV, generator=g) * temperature
+    k = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + k_bias * torch.randn(d, device=DEV, generator=g)
+    v = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + 0.5
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    quant = spec.Quantization(pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block)
+    p = spec.prepare(q, k, v, d ** -0.5, quant, kv_lens)
+    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
+                      p.q_group, causal, d, out_dtype)
+
+
+def poisoned_outputs(args):
+    """Outputs laid out like ops._empty_outputs (out [B,Hq,Nq,D] over [B,Nq,Hq,D] memory), filled NaN."""
+    batch, hq, n_q, _ = args.q.shape
+    out = torch.full((batch, n_q, hq, args.head_dim), math.nan, dtype=args.out_dtype, device=DEV).transpose(1, 2)
+    lse = torch.full((batch, hq, n_q), math.nan, dtype=torch.float32, device=DEV)
+    return out, lse
+
+
+def run_kernel(args, config=None):
+    out, lse = poisoned_outputs(args)
+    tk.run(args, out, lse, config=config)
+    return out, lse
+
+
+def oracle(args, block_n):
+    """The spec on the CPU (CUDA has no int32 matmul), results back on the GPU."""
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(args).items()}
+    out, lse = spec.quantized_attention_reference(**cpu, block_n=block_n)
+    return out.to(DEV), lse.to(DEV)
+
+
+def assert_matches_oracle(args, config=None):
+    cfg = config or tk.config_for(args)
+    out, lse = run_kernel(args, cfg)
+    torch.cuda.synchronize()
+    ref, ref_lse = oracle(args, cfg.block_n)
+    assert not torch.isnan(out).any(), "kernel left output elements unwritten (NaN poison survived)"
+    assert not torch.isnan(lse).any(), "kernel left lse elements unwritten (NaN poison survived)"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "fully masked rows differ"
+    fin = torch.isfinite(ref_lse)
+    lse_err = (lse[fin] - ref_lse[fin]).abs()
+    assert (lse_err <= 1e-4 + 1e-5 * ref_lse[fin].abs()).all(), f"lse max err {lse_err.max().item()}"
+    empty_rows = ~fin
+    assert (out.float().transpose(1, 2)[empty_rows.transpose(1, 2)] == 0).all(), "fully masked rows must be 0"
+    if ref.abs().sum() > 0:
+        err, cos = rel_l1(out, ref), cosine(out, ref)
+        assert err <= REL_L1_MAX and cos >= COS_MIN, f"relL1={err:.2e} cos={cos:.7f} ({cfg})"
+    else:
+        assert torch.equal(out, ref)
+    return out, lse
+
+
+@st.composite
+def cases(draw, pv, causal):
+    hkv = draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 2))
+    n_k = draw(st.sampled_from([1, 5, 63, 64, 65, 127, 128, 129, 200, 257, 384]))
+    use_kvl = draw(st.booleans())
+    kv_lens = None
+    if use_kvl:
+        lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
+        kv_lens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+    smooth_q = draw(st.booleans())
+    return dict(
+        batch=batch, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
+        n_q=draw(st.sampled_from([1, 2, 17, 64, 100, 128, 129, 200, 300])), n_k=n_k,
+        d=draw(st.sampled_from([40, 64, 96, 128])),  # padded to 64 or 128
+        causal=causal, pv=pv, smooth_q=smooth_q, smooth_v=draw(st.booleans()),
+        q_block=draw(st.sampled_from([128, 256, 48])) if smooth_q else 128,  # 48: ΔS group < BLOCK_M
+        kv_lens=kv_lens, seed=draw(st.integers(0, 2**16)), temperature=draw(st.sampled_from([0.5, 1.0, 3.0])),
+    )
+
+
+@pytest.mark.parametrize("causal", [0, 1, 2])
+@pytest.mark.parametrize("pv", PVS)
+@settings(max_examples=12)
+@given(data=st.data())
+def test_matches_oracle(pv, causal, data):
+    assert_matches_oracle(make_case(**data.draw(cases(pv, causal))))
+
+
+@pytest.mark.parametrize("d", [16, 32, 160, 256])  # padded 32, 32, 256, 256
+@pytest.mark.parametrize("causal", [0, 2])
+def test_small_and_large_head_dims(d, causal):
+    assert_matches_oracle(make_case(2, 4, 2, 130, 300, d, causal=causal, pv=PVS[0], smooth_v=True, seed=d))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_out_dtypes(out_dtype):
+    assert_matches_oracle(make_case(1, 2, 1, 200, 333, 64, causal=1, pv=PVS[0], out_dtype=out_dtype,
+                                    smooth_q=True))
+
+
+CONFIGS = [(128, c) for c in ("64,128,4,3,tma", "64,128,4,3", "64,64,4,3", "128,128,8,3", "128,64,8,2",
+                                "128,128,8,3,tma", "64,128,4,3,plain")]
+CONFIGS += [(64, c) for c in ("64,128,4,3,tma", "128,128,4,3", "64,64,4,3")]
+
+
+@pytest.mark.parametrize("d,config", CONFIGS)
+@pytest.mark.parametrize("causal", [0, 2])
+def test_every_config(d, config, causal):
+    cfg = tk.Config.parse(config)
+    kv_lens = torch.tensor([190, 7], device=DEV, dtype=torch.int32)
+    args = make_case(2, 4, 1, 257, 200, d, causal=causal, pv=PVS[0], smooth_q=True, smooth_v=True,
+                     kv_lens=kv_lens, seed=3)
+    assert_matches_oracle(args, cfg)
+
+
+def test_bottom_right_with_more_queries_than_keys_masks_early_rows():
+    args = make_case(1, 2, 2, 300, 70, 64, causal=2, pv=PVS[0], seed=5)
+    out, lse = assert_matches_oracle(args)
+    assert torch.isinf(lse[:, :, :230]).all() and torch.isfinite(lse[:, :, 230:]).all()
+
+
+def test_no_keys():
+    """Nk = 0 (built by hand: spec.prepare cannot reduce over zero keys) and kv_lens all zero."""
+    q_args = make_case(2, 2, 1, 33, 1, 64, pv=PVS[0])
+    v_dtype = q_args.v.dtype
+    args = KernelArgs(q_args.q, q_args.q_scale, torch.empty(2, 1, 0, 64, dtype=torch.int8, device=DEV),
+                      torch.empty(2, 1, 0, device=DEV), torch.empty(2, 1, 64, 0, dtype=v_dtype, device=DEV),
+                      torch.ones(2, 1, 64, device=DEV), None, None, None, 128, 1, 64, torch.bfloat16)
+    assert tk.supports(args) is None
+    out, lse = run_kernel(args)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
+    out, lse = run_kernel(make_case(2, 2, 1, 33, 40, 64, pv=PVS[0], smooth_v=True, kv_lens=kv_lens))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_cuda_graph_capture_and_replay_equals_eager():
+    args = make_case(2, 8, 2, 500, 700, 128, causal=1, pv=PVS[0], smooth_v=True, seed=11)
+    eager_out, eager_lse = run_kernel(args)  # also compiles outside the capture
+    out, lse = poisoned_outputs(args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk.run(args, out, lse)  # warm the launcher on the side stream as well
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.run(args, out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    # New values in the same buffers: the replay must follow them.
+    fresh = make_case(2, 8, 2, 500, 700, 128, causal=1, pv=PVS[0], smooth_v=True, seed=12)
+    for name in ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean"):
+        getattr(args, name).copy_(getattr(fresh, name))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh_out, fresh_lse = run_kernel(fresh)
+    assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
+
+
+def test_supports_reasons():
+    args = make_case(1, 1, 1, 8, 8, 64, pv=PVS[0])
+    assert tk.supports(args) is None
+    cpu = KernelArgs(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in vars(args).values()))
+    assert "CUDA" in tk.supports(cpu)
+    odd = KernelArgs(**{**vars(args), "q": args.q[..., :48].contiguous(), "k": args.k[..., :48].contiguous()})
+    assert "head dim" in tk.supports(odd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Accuracy against fp32 SDPA on the three distributions of ANCHORS.md (B=1, H=8, N=4096, D=128).
+# ------------------------------------------------------------------------------------------------
+def _distribution(name, g, shape):
+    q, k, v = (torch.randn(shape, device=DEV, generator=g) for _ in range(3))
+    if name == "outliers":  # N(0,1) + N(0,100)·Bernoulli(0.001) (FA3 paper)
+        q, k, v = (t + 10 * torch.randn(shape, device=DEV, generator=g)
+                   * (torch.rand(shape, device=DEV, generator=g) < 1e-3) for t in (q, k, v))
+    elif name == "channel_bias":  # a per-channel bias c ~ N(0,1): K += 8c, V += 4c, Q += 2c
+        c = torch.randn(shape[-1], device=DEV, generator=g)
+        q, k, v = q + 2 * c, k + 8 * c, v + 4 * c
+    return q, k, v
+
+
+ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_accuracy_vs_fp32_sdpa(causal):
+    results = {}
+    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
+        g = torch.Generator(device=DEV).manual_seed(1234)
+        q, k, v = (t.to(torch.bfloat16) for t in _distribution(name, g, (1, 8, 4096, 128)))
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), is_causal=bool(causal))
+        p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
+        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
+                          p.q_group, causal, 128, torch.bfloat16)
+        out, _ = run_kernel(args)
+        bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+        row = {}
+        for label, o in (("sage_triton", out), ("sdpa_bf16", bf16)):
+            row[label] = dict(cos=cosine(o, ref), rel_l1=rel_l1(o, ref),
+                              rmse=(o.double() - ref.double()).pow(2).mean().sqrt().item())
+        results[name] = row
+        print(f"[accuracy causal={causal}] {name:13s} triton cos={row['sage_triton']['cos']:.6f} "
+              f"relL1={row['sage_triton']['rel_l1']:.4f} rmse={row['sage_triton']['rmse']:.2e} | "
+              f"bf16 sdpa cos={row['sdpa_bf16']['cos']:.6f} relL1={row['sdpa_bf16']['rel_l1']:.4f}")
+        assert row["sage_triton"]["cos"] >= cos_min and row["sage_triton"]["rel_l1"] <= rel_max, (name, row)
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], f"accuracy_causal{causal}.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           shape=[1, 8, 4096, 128], causal=causal, results=results), f, indent=1)

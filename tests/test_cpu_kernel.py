@@ -1,0 +1,307 @@
+"""The C++ CPU kernel (sage_compile._C) against the spec: its roundings, then whole attention bit for bit."""
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import random_qkv
+from sage_compile import spec
+from sage_compile.kernels import KernelArgs, cpu
+
+_C = cpu._C
+
+
+# --------------------------------------------------------------------------------------------------
+# Rounding and decoding: the kernel's own helpers against torch's casts.
+# --------------------------------------------------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _round_pv(x: torch.Tensor, pv: str) -> torch.Tensor:
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    _C._round_pv(x.data_ptr(), out.data_ptr(), x.numel(), _dtype_name(spec.PV_DTYPES[pv]))
+    return out
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's conversion of x to dtype (codes of float32 → bf16/fp16, or e4m3/fp16 → float32)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    _C._cast(x.data_ptr(), _dtype_name(x.dtype), out.data_ptr(), _dtype_name(dtype), x.numel())
+    return out
+
+
+def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Bit-identical, signed zeros included; any NaN matches any NaN (payloads differ between torch paths)."""
+    same = (_bits(actual) == _bits(expected)) | (actual.isnan() & expected.isnan())
+    bad = (~same).nonzero().flatten()[:5]
+    assert same.all(), f"inputs {inputs[bad].tolist()}: got {actual[bad].tolist()}, torch {expected[bad].tolist()}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _all_codes(dtype: torch.dtype) -> torch.Tensor:
+    """Every bit pattern of a 1- or 2-byte dtype."""
+    codes = torch.arange(2 ** torch.finfo(dtype).bits, dtype=torch.int32)
+    return codes.to(torch.uint8 if torch.finfo(dtype).bits == 8 else torch.int16).view(dtype)
+
+
+def _finite_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 1- or 2-byte float dtype, ascending, as float32."""
+    values = _all_codes(dtype).float()
+    return values[values.isfinite()].unique()  # unique also merges ±0
+
+
+def _pv_rounding_inputs(pv: str) -> torch.Tensor:
+    """Every value of the type (NaN, ±inf and beyond ±448 included), every midpoint within ±448 and its
+    two neighbours, and random floats in [-448, 448], uniform and log-uniform (into the subnormals)."""
+    g = torch.Generator().manual_seed(0)
+    dtype = spec.PV_DTYPES[pv]
+    values = _finite_values(dtype)
+    values = values[values.abs() <= spec.E4M3_MAX]
+    mids = (values[:-1] + values[1:]) / 2  # exact in fp32
+    uniform = torch.rand(200_000, generator=g) * spec.E4M3_MAX
+    log_uniform = torch.exp2(torch.rand(200_000, generator=g) * 40 - 31)
+    return torch.cat([
+        _all_codes(dtype).float(), mids, mids.nextafter(torch.tensor(math.inf)),
+        mids.nextafter(torch.tensor(-math.inf)), uniform, -uniform, log_uniform, -log_uniform,
+        torch.tensor([-0.0, 449.0, -449.0, 1e6, 2**-30]),
+    ])
+
+
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
+def test_pv_rounding_matches_torch_cast(pv):
+    x = _pv_rounding_inputs(pv)
+    _assert_same_bits(_round_pv(x, pv), spec.quantize_pv_operand(x, pv).float(), x)
+
+
+def test_e4m3_midpoints_are_all_covered():
+    finite = _finite_values(torch.float8_e4m3fn)
+    assert finite.numel() == 253  # 254 finite codes, ±0 merged: 252 midpoints, ties to even included
+    mids = (finite[:-1] + finite[1:]) / 2
+    _assert_same_bits(_round_pv(mids, "fp8"), mids.to(torch.float8_e4m3fn).float(), mids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16])
+def test_decoding_v_matches_torch_for_every_code(dtype):
+    codes = _all_codes(dtype)
+    _assert_same_bits(_cast(codes, torch.float32), codes.float(), codes.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_rounding_matches_torch_cast(dtype):
+    g = torch.Generator().manual_seed(1)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (300_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    values = _finite_values(dtype)
+    mids = (values[:-1].double() + values[1:].double()) / 2  # ties, exact in fp32 for both dtypes
+    specials = torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, 3.4e38, math.inf, -math.inf, math.nan, 1e-45])
+    x = torch.cat([random_bits.view(torch.float32), mids.float(), specials, torch.randn(100_000, generator=g)])
+    _assert_same_bits(_cast(x, dtype), x.to(dtype), x)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole attention against the oracle.
+# --------------------------------------------------------------------------------------------------
+_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens",
+           "q_group", "causal", "head_dim", "out_dtype")
+
+
+def _oracle(args: KernelArgs):
+    return spec.quantized_attention_reference(*(getattr(args, f) for f in _FIELDS))
+
+
+def _run_cpu(args: KernelArgs, out=None, lse=None):
+    """The C++ kernel into fresh NaN-filled outputs (so unwritten elements show), or into those given."""
+    batch, hq, n_q, _ = args.q.shape
+    if out is None:
+        out = torch.full((batch, hq, n_q, args.head_dim), math.nan, dtype=args.out_dtype)
+    if lse is None:
+        lse = torch.full((batch, hq, n_q), math.nan)
+    assert cpu.supports(args) is None
+    cpu.run(args, out, lse)
+    return out, lse
+
+
+def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None) -> KernelArgs:
+    """spec.prepare's outputs as kernel inputs. prepare needs Nk > 0 (δV is an amax over keys): for
+    Nk = 0 it runs on one key and the key dimension is cut back to 0 afterwards."""
+    n_k = k.shape[2]
+    if n_k == 0:
+        k = v = k.new_ones(k.shape[0], k.shape[1], 1, k.shape[3])
+    p = spec.prepare(q, k, v, q.shape[-1] ** -0.5, quant, kv_lens)
+    keys = slice(0, n_k)
+    return KernelArgs(
+        p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., keys], p.v_scale, p.v_mean,
+        None if p.delta_s is None else p.delta_s[..., keys], kv_lens, p.q_group, causal, q.shape[-1], out_dtype,
+    )
+
+
+# exp2 is evaluated in float64 by glibc here and by torch (SLEEF) in the oracle; they may differ in the
+# last bit of a double, which changes the fp32 rounding of P̃ only when exp2 lies within ~2^-53 relative
+# of an fp32 rounding boundary: probability ~2^-29 per exp2. The same holds for the float64 row sums of
+# P̃ (torch sums in another order) and for fp16 P̂·V̂ sums too wide to be exact. Such a flip moves an
+# output by far less than one output ulp, so at worst it flips that output's final rounding: expected
+# count ≪ 1 per test. Hence exact equality everywhere but at most _MAX_FLIPS elements, one ulp apart.
+# LSE: torch's vectorized fp32 log2 and glibc's log2 differ by up to 1 ulp of log2(l), i.e. < 1e-6
+# absolute (log2 l <= 10 here) as well as relative.
+_MAX_FLIPS = 2
+
+
+def _assert_matches_oracle(out, lse, ref_out, ref_lse):
+    same = (out == ref_out) | (out.isnan() & ref_out.isnan())
+    flips = (~same).nonzero()
+    assert len(flips) <= _MAX_FLIPS, f"{len(flips)} of {out.numel()} outputs differ, e.g. at {flips[:5].tolist()}"
+    for idx in flips.tolist():
+        a, b = out[tuple(idx)], ref_out[tuple(idx)]
+        ulps = (_bits(a).int() - _bits(b).int()).abs().item()
+        assert a.sign() == b.sign() and ulps == 1, f"out{idx}: {a.item()} vs oracle {b.item()}"
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    finite = ref_lse.isfinite()
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-6, atol=1e-6)
+
+
+_LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 150]), st.integers(0, 150))
+
+
+@st.composite
+def _problems(draw):
+    hkv = draw(st.integers(1, 3))
+    dp = draw(st.sampled_from([32, 64, 128, 256]))
+    qk = draw(st.sampled_from(["int8", "int4"]))
+    quant = spec.Quantization(
+        qk=qk,
+        q_granularity=draw(st.sampled_from(spec.GRANULARITIES)),
+        k_granularity=draw(st.sampled_from(spec.GRANULARITIES)),
+        q_block=draw(st.integers(1, 160)),
+        k_block=draw(st.integers(1, 160)),
+        smooth_q=qk == "int4" or draw(st.booleans()),
+        smooth_k=draw(st.booleans()),
+        smooth_v=draw(st.booleans()),
+        pv=draw(st.sampled_from(sorted(spec.PV_DTYPES))),
+    )
+    return dict(
+        batch=draw(st.integers(1, 2)), hkv=hkv, hq=hkv * draw(st.integers(1, 3)),
+        n_q=draw(_LENGTHS), n_k=draw(_LENGTHS),
+        d=draw(st.integers(1 if dp == 32 else dp // 2 + 1, dp)),  # spec.padded_head_dim(d) == dp
+        quant=quant,
+        causal=draw(st.sampled_from(sorted(spec.CAUSAL_NAMES))),
+        kv_lens=draw(st.booleans()),
+        in_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
+        out_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@given(_problems())
+@settings(max_examples=150)
+def test_matches_oracle_bit_for_bit(problem):
+    p = problem
+    q, k, v = random_qkv(p["batch"], p["hq"], p["hkv"], p["n_q"], p["n_k"], p["d"], p["in_dtype"],
+                         seed=p["seed"], k_bias=2.0)
+    kv_lens = None
+    if p["kv_lens"]:
+        g = torch.Generator().manual_seed(p["seed"])
+        kv_lens = torch.randint(0, p["n_k"] + 1, (p["batch"],), generator=g, dtype=torch.int32)
+    args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens)
+    _assert_matches_oracle(*_run_cpu(args), *_oracle(args))
+
+
+@pytest.mark.parametrize("causal", sorted(spec.CAUSAL_NAMES))
+def test_nan_in_one_query_row_stays_in_that_row(causal):
+    q, k, v = random_qkv(2, 4, 2, 70, 90, 64, seed=3)
+    q[1, 2, 37, 5] = math.nan
+    args = _prepared_args(q, k, v, spec.Quantization(), causal, torch.bfloat16)
+    out, lse = _run_cpu(args)
+    _assert_matches_oracle(out, lse, *_oracle(args))
+    assert out[1, 2, 37].isnan().all()
+    assert lse[1, 2, 37] == -math.inf  # NaN scores leave l NaN: "no valid key", as the spec says
+    out[1, 2, 37] = 0
+    lse[1, 2, 37] = 0
+    assert out.isfinite().all() and lse.isfinite().all()
+
+
+def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
+    """t's values in another layout: dimensions stored in order `perm`, every other element skipped."""
+    stored = t.permute(*perm)
+    buffer = torch.zeros(*stored.shape[:-1], 2 * stored.shape[-1], dtype=t.dtype)
+    buffer[..., ::2] = stored
+    return buffer[..., ::2].permute(*[perm.index(i) for i in range(t.dim())])
+
+
+def test_strided_inputs_and_outputs_give_the_same_bits():
+    q, k, v = random_qkv(2, 6, 2, 75, 140, 80, torch.float16, seed=5, k_bias=1.0)
+    kv_lens = torch.tensor([140, 97], dtype=torch.int64)
+    quant = spec.Quantization(smooth_q=True, smooth_v=True, q_block=32, pv="fp16")
+    args = _prepared_args(q, k, v, quant, spec.CAUSAL_BOTTOM_RIGHT, torch.float16, kv_lens)
+    expected_out, expected_lse = _run_cpu(args)
+
+    layouts = dict(q=(0, 2, 1, 3), k=(2, 0, 1, 3), v=(1, 0, 2, 3), q_scale=(2, 1, 0), k_scale=(1, 2, 0),
+                   v_scale=(1, 0, 2), v_mean=(2, 0, 1), delta_s=(3, 1, 2, 0), kv_lens=(0,))
+    strided = dataclasses.replace(args, **{name: _strided_copy(getattr(args, name), perm)
+                                           for name, perm in layouts.items()})
+    batch, hq, n_q, d = expected_out.shape
+    out_buffer = torch.full((batch, n_q, hq, d + 5), 7.0, dtype=torch.float16)  # ops.py's [B,Nq,Hq,D] layout
+    out = out_buffer[..., :d].transpose(1, 2)
+    lse = torch.full((n_q, hq, batch), math.nan).permute(2, 1, 0)
+    _run_cpu(strided, out, lse)
+
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert (out_buffer[..., d:] == 7.0).all()  # nothing written outside the view
+    _assert_matches_oracle(out, lse, *_oracle(args))
+
+
+def test_fp32_output_and_rows_without_keys():
+    q, k, v = random_qkv(1, 2, 1, 100, 40, 64, seed=9)
+    kv_lens = torch.tensor([0], dtype=torch.int32)
+    for lens, causal in ((None, spec.CAUSAL_BOTTOM_RIGHT), (kv_lens, spec.CAUSAL_NONE)):
+        args = _prepared_args(q, k, v, spec.Quantization(smooth_v=True), causal, torch.float32, lens)
+        out, lse = _run_cpu(args)
+        _assert_matches_oracle(out, lse, *_oracle(args))
+        empty = lse == -math.inf  # bottom-right with Nq > Nk: the first 60 rows see no key
+        assert empty.sum() == (2 * 100 if lens is not None else 2 * 60)
+        assert (out[empty] == 0).all()
+
+
+def test_supports_names_what_it_cannot_run():
+    q, k, v = random_qkv(1, 2, 1, 8, 8, 32, seed=0)
+    args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
+    assert cpu.supports(args) is None
+    for field, value in (("v", args.v.to(torch.bfloat16)), ("q_scale", args.q_scale.double()),
+                         ("out_dtype", torch.float64), ("q", args.q.float())):
+        assert field in cpu.supports(dataclasses.replace(args, **{field: value}))
+
+
+def test_wrong_shapes_are_refused_before_the_kernel_runs():
+    q, k, v = random_qkv(1, 2, 1, 8, 8, 32, seed=0)
+    args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
+    with pytest.raises(ValueError, match="k_scale"):
+        _run_cpu(dataclasses.replace(args, k_scale=args.k_scale[..., :-1]))
+
+
+def test_faster_than_the_python_reference(capsys):
+    """Timings only (the machine may be busy): printed, not asserted."""
+    q, k, v = random_qkv(1, 8, 4, 1024, 1024, 128, seed=0)
+    args = _prepared_args(q, k, v, spec.Quantization(), spec.CAUSAL_NONE, torch.bfloat16)
+
+    def best_of(fn, repeats=3):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - start)
+        return min(times), result
+
+    t_ref, reference = best_of(lambda: _oracle(args))
+    t_cpu, ours = best_of(lambda: _run_cpu(args))
+    with capsys.disabled():
+        print(f"\n[B=1 Hq=8 Hkv=4 N=1024 D=128] python reference {t_ref * 1e3:.0f} ms, "
+              f"C++ {t_cpu * 1e3:.0f} ms ({t_ref / t_cpu:.1f}x, {torch.get_num_threads()} threads)")
+    _assert_matches_oracle(*ours, *reference)
