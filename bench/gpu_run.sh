@@ -6,7 +6,8 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mode=${1:-quick}
 MAX_JOBS=16 python -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 python -m sage_compile doctor 2>&1 | tee "$OUT/doctor.log"
-python -m pytest tests/gpu tests/test_cpu_kernel.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 python -m sage_compile demo --seq-len 1024 2>&1 | tee "$OUT/demo.log" | tail -4
 if [ "$mode" = quick ]; then
   python -m bench.e2e_bench --n 4096,16384 --d 128 2>&1 | tee "$OUT/e2e.log" | tail -12

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, UnsupportedAttentionError, describe_site, site_name
-from sage_compile.support import AttentionCall, causal_mode, unsupported_reason
+from sage_compile.sites import SiteReport, judge_site, site_name
+from sage_compile.support import AttentionCall, causal_mode
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -50,12 +50,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
             continue
         args = normalize_sdpa_args(node)
         call = AttentionCall(*(_value(args[name]) for name in _SIGNATURE.parameters))
-        reason = unsupported_reason(call, config, torch.is_grad_enabled())
-        name = site_name(node, seen)
-        report.add(describe_site(name, call, reason, config, source="sdpa"))
-        if reason is not None:
-            if config.fallback == "error":
-                raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}")
+        if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled()):
             continue
         _replace(gm.graph, node, args, config)
         changed = True

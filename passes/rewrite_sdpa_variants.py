@@ -12,8 +12,8 @@ import torch
 from torch.fx.operator_schemas import normalize_function
 
 from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, UnsupportedAttentionError, describe_site
-from sage_compile.support import AttentionCall, causal_mode, unsupported_reason
+from sage_compile.sites import SiteReport, judge_site
+from sage_compile.support import AttentionCall, causal_mode
 
 aten = torch.ops.aten
 # op → name of its mask argument (None: the op takes no mask)
@@ -33,12 +33,7 @@ def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: Sit
         name = f"{node.target.__name__.split('.')[0]}#{index}"
         index += 1
         call, reason = _analyse(node)
-        if reason is None:
-            reason = unsupported_reason(call, config, grad_enabled=False)
-        report.add(describe_site(name, call, reason, config, source="inductor-sdpa"))
-        if reason is not None:
-            if config.fallback == "error":
-                raise UnsupportedAttentionError(f"sage: attention site {name}: {reason}")
+        if not judge_site(report, name, call, config, "inductor-sdpa", grad_enabled=False, reason=reason):
             continue
         _replace(graph, node, call, config)
 

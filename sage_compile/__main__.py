@@ -42,8 +42,10 @@ def demo(args) -> int:
     print(f"demo: {args.layers}-layer transformer (dim {model.dim}, {model.heads} heads, GQA in odd layers, "
           f"causal in every other layer), x {tuple(x.shape)} bf16 on {device}")
     start = time.perf_counter()
+    # min_seq_len=0: show the replacement even where the measured thresholds (thresholds.py) would keep
+    # SDPA on a GPU for such short sequences
     with torch.no_grad(), collect_reports() as reports:
-        compiled = torch.compile(model, backend="sage")
+        compiled = torch.compile(model, backend="sage", options={"min_seq_len": 0})
         out = compiled(x)
     compile_s = time.perf_counter() - start
     with torch.no_grad():

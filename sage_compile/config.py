@@ -19,8 +19,8 @@ class SageConfig:
     per_token|per_block (blocks of ``q_block``/``k_block`` tokens), ``smooth_k`` (on: costs nothing
     and real models have large per-channel K bias), ``smooth_q``/``smooth_v``, ``pv`` fp8|fp16.
     Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (reported by explain and
-    counters), "error" raises instead; ``min_seq_len`` keeps SDPA when the key length is known to be
-    shorter; ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
+    counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key lengths (None: the
+    measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager.
     """
 
@@ -34,7 +34,7 @@ class SageConfig:
     smooth_v: bool = False
     pv: str = "fp8"
     fallback: str = "sdpa"
-    min_seq_len: int = 0
+    min_seq_len: Optional[int] = None
     allow_fp32: bool = False
     inner_backend: str = "inductor"
 
@@ -46,8 +46,8 @@ class SageConfig:
             raise ValueError(f"SageConfig.fallback={self.fallback!r}: expected one of {FALLBACKS}")
         if self.inner_backend not in INNER_BACKENDS:
             raise ValueError(f"SageConfig.inner_backend={self.inner_backend!r}: expected one of {INNER_BACKENDS}")
-        if not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
-            raise ValueError(f"SageConfig.min_seq_len={self.min_seq_len!r}: expected an int ≥ 0")
+        if self.min_seq_len is not None and (not isinstance(self.min_seq_len, int) or self.min_seq_len < 0):
+            raise ValueError(f"SageConfig.min_seq_len={self.min_seq_len!r}: expected None or an int ≥ 0")
 
     def quantization(self) -> Quantization:
         return Quantization(**{f.name: getattr(self, f.name) for f in fields(Quantization)})

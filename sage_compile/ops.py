@@ -20,7 +20,7 @@ from . import dispatch, spec
 from .config import SageConfig
 from .kernels import KernelArgs
 from .sites import UnsupportedAttentionError
-from .support import AttentionCall, unsupported_reason
+from .support import AttentionCall, sdpa_is_faster, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
@@ -28,7 +28,7 @@ _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, "
     "int causal=0, bool enable_gqa=False, str qk='int8', str q_granularity='per_token', "
     "str k_granularity='per_token', int q_block=128, int k_block=64, bool smooth_k=True, bool smooth_q=False, "
-    "bool smooth_v=False, str pv='fp8', str fallback='sdpa', int min_seq_len=0, bool allow_fp32=False, "
+    "bool smooth_v=False, str pv='fp8', str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False, "
     "Tensor? kv_lens=None) -> Tensor"
 )
 
@@ -50,7 +50,7 @@ def check_attention_inputs(q, k, v) -> None:
 def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, causal=0, enable_gqa=False,
                              qk="int8", q_granularity="per_token", k_granularity="per_token", q_block=128,
                              k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
-                             fallback="sdpa", min_seq_len=0, allow_fp32=False, kv_lens=None):
+                             fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
     # the dispatcher passes what the caller passed, positionally or not: defaults repeat the schema
     """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported."""
     check_attention_inputs(q, k, v)
@@ -63,6 +63,9 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
     reason = unsupported_reason(call, config, torch.is_grad_enabled())
     if reason is not None:
         report_fallback(reason, config)
+        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa)
+    if sdpa_is_faster(call, config) is not None:
+        torch._dynamo.utils.counters["sage"]["sdpa_by_threshold"] += 1
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)

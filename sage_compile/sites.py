@@ -42,6 +42,20 @@ def describe_site(name: str, call, reason: Optional[str], config, source: str) -
     )
 
 
+def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_enabled: bool,
+               reason: Optional[str] = None) -> bool:
+    """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
+    ``reason`` is a pass's own objection, found before the shared checks."""
+    from .support import sdpa_is_faster, unsupported_reason
+
+    reason = reason or unsupported_reason(call, config, grad_enabled)
+    choice = sdpa_is_faster(call, config) if reason is None else None
+    report.add(describe_site(name, call, reason or choice, config, source))
+    if reason is not None and config.fallback == "error":
+        raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}")
+    return reason is None and choice is None
+
+
 @dataclass
 class SiteReport:
     sites: List[Site] = field(default_factory=list)

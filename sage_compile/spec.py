@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 LOG2E = math.log2(math.e)
 P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
@@ -172,29 +173,38 @@ def prepare(
     if quant.smooth_v:
         v_mean4 = token_mean(v, kv_lens)
         vf = vf - v_mean4
-        v_mean = torch.nn.functional.pad(v_mean4.squeeze(-2), (0, pad))
+        v_mean = _pad_last(v_mean4.squeeze(-2), pad)
     if kv_lens is not None:  # padded keys must not set δV
         vf = vf * valid_key_mask(kv_lens, v.shape[-2]).to(vf.dtype)[:, None, :, None]
     v_delta = vf.abs().amax(dim=-2).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
     v_hat = quantize_pv_operand(vf / v_delta.unsqueeze(-2), quant.pv)
     n_k = v.shape[-2]
-    v_t = torch.nn.functional.pad(v_hat.transpose(-1, -2), (0, (-n_k) % 16, 0, pad)).contiguous()
+    v_t = v_hat.transpose(-1, -2)
+    token_pad = (-n_k) % 16
+    if not (statically_known_true(token_pad == 0) and pad == 0):
+        v_t = torch.nn.functional.pad(v_t, (0, token_pad, 0, pad))
+    v_t = v_t.contiguous()
 
     lse_shift = None
     if want_lse:
         lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
     return Prepared(
-        q=torch.nn.functional.pad(q8, (0, pad)),
+        q=_pad_last(q8, pad),
         q_scale=q_delta * score_scale,
-        k=torch.nn.functional.pad(k8, (0, pad)),
+        k=_pad_last(k8, pad),
         k_scale=k_delta,
         v=v_t,
-        v_scale=torch.nn.functional.pad(v_delta, (0, pad), value=1.0),
+        v_scale=_pad_last(v_delta, pad, value=1.0),
         v_mean=v_mean,
         delta_s=delta_s,
         q_group=quant.q_block,
         lse_shift=lse_shift,
     )
+
+
+def _pad_last(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:
+    """Zero-pad the head dim; no op (and no copy kernel) when it is already a kernel size."""
+    return torch.nn.functional.pad(x, (0, pad), value=value) if pad else x
 
 
 def _block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -209,8 +219,7 @@ def _block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B,Hq,M,D] @ b [B,Hkv,D,N] with Hq a multiple of Hkv (GQA), without copying b."""
-    batch, hq = a.shape[0], a.shape[1]
-    hkv = b.shape[1]
+    hq, hkv = a.shape[1], b.shape[1]
     out = a.unflatten(1, (hkv, hq // hkv)) @ b.unsqueeze(2)
     return out.flatten(1, 2)
 

@@ -41,7 +41,7 @@ def _shape(t) -> str:
 
 def unsupported_reason(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> Optional[str]:
     """None when sage can run ``call`` exactly as SDPA means it; otherwise why not (one sentence)."""
-    for check in (_check_arguments, _check_tensors, _check_heads, _check_grad, _check_length, _check_kernel):
+    for check in (_check_arguments, _check_tensors, _check_heads, _check_grad, _check_kernel):
         reason = check(call, config, grad_enabled)
         if reason is not None:
             return reason
@@ -105,10 +105,22 @@ def _check_grad(call, config, grad_enabled):
     return None
 
 
-def _check_length(call, config, grad_enabled):
+def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
+    """A speed choice, not a fallback: SDPA is faster below the key-length threshold (thresholds.py, or
+    ``config.min_seq_len``). A symbolic length is compared too: that guard recompiles at most once, when
+    a dynamic length crosses the threshold."""
+    from . import thresholds
+
+    threshold = config.min_seq_len
+    if threshold is None:
+        padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
+        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal))
+    if not threshold:
+        return None
     n_k = call.k.shape[-2]
-    if config.min_seq_len and isinstance(n_k, int) and n_k < config.min_seq_len:
-        return f"key length {n_k} < min_seq_len={config.min_seq_len}: SDPA is faster there"
+    if threshold == thresholds.NEVER or n_k < threshold:
+        source = "min_seq_len" if config.min_seq_len is not None else f"measured on {thresholds.MEASURED_ON}"
+        return f"SDPA is faster here: key length {n_k} < {thresholds.describe(threshold)} ({source})"
     return None
 
 

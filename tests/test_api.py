@@ -64,9 +64,11 @@ def test_fp32_and_grad_fall_back_unless_allowed():
 
 def test_min_seq_len_keeps_sdpa_for_short_sequences():
     q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=4)
-    with pytest.warns(UserWarning, match="min_seq_len"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a speed choice, not a fallback: no warning
         out = sage_attention(q, k, v, config=SageConfig(min_seq_len=64))
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert torch._dynamo.utils.counters["sage"]["sdpa_by_threshold"] == 1
 
 
 def test_under_torch_compile_equals_eager():
