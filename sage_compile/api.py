@@ -20,6 +20,10 @@ def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
     from .backend import sage_backend
 
     options = dict(compile_kwargs.pop("options", None) or {})
+    if options or config is not None:  # torch.compile refuses mode= beside options=: carry it inside
+        mode = compile_kwargs.pop("mode", None)
+        if mode is not None:
+            options["mode"] = mode
     if config is not None:
         if "sage_config" in options:
             raise ValueError("pass the SageConfig either as config= or as options['sage_config'], not both")

@@ -35,6 +35,7 @@ def sage_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] =
     from .passes import run_stage1
 
     config, inductor_options = SageConfig.from_options(options)
+    mode = inductor_options.pop("mode", None) or mode  # sage_compile.compile carries mode= here
     report = SiteReport()
     gm = run_stage1(gm, config, report)
     for sink in _report_sinks:

@@ -131,6 +131,22 @@ def test_options_split_between_sage_and_inductor():
         SageConfig.from_options({"qk": "int3"})
 
 
+def test_compile_carries_mode_beside_a_config(monkeypatch):
+    """torch.compile refuses mode= together with options=; sage_compile.compile passes it inside."""
+    seen = {}
+
+    def spy(gm, example_inputs, config, mode, inductor_options, report):
+        seen.update(mode=mode, options=dict(inductor_options))
+        return gm.forward
+
+    monkeypatch.setattr("sage_compile.backend.compile_inner", spy)
+    fn = sage_compile.compile(lambda q: F.scaled_dot_product_attention(q, q, q), config=SageConfig(),
+                              mode="max-autotune-no-cudagraphs")
+    with torch.no_grad():
+        fn(torch.randn(1, 2, 16, 64, dtype=torch.bfloat16))
+    assert seen == {"mode": "max-autotune-no-cudagraphs", "options": {}}
+
+
 def test_inductor_generated_code_calls_the_quantized_op():
     """Full Inductor: the generated code runs sage.quantized_attention once per layer and no SDPA;
     the prep became Inductor kernels (one fused C++ kernel per group on CPU)."""
