@@ -139,7 +139,7 @@ def _main(argv=None):
             prep = torch.compile(prep_only, dynamic=True)
             ropes = torch.compile(rope_only, dynamic=True)
             for n in ns:
-                batch = TOKENS // n
+                batch = max(1, TOKENS // n)  # B·N = 16K tokens; one sequence from 16K up
                 sets = [make_inputs(batch, n, heads, d, seed) for seed in range(N_SETS)]
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
