@@ -115,6 +115,8 @@ def _main(argv=None):
     ap.add_argument("--n", default=N_DEFAULT)
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--static", action="store_true", help="compile sage and the prep per shape too")
+    ap.add_argument("--no-accuracy", action="store_true")
     opts = ap.parse_args(argv)
     ns = [int(x) for x in opts.n.split(",")]
     import triton
@@ -123,7 +125,7 @@ def _main(argv=None):
     from sage_compile import SageConfig
 
     bandwidth = copy_bandwidth()
-    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    results = dict(static=opts.static, device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={})
     sage_cfg = SageConfig(min_seq_len=0)
     for d in (int(x) for x in opts.d.split(",")):
@@ -134,10 +136,11 @@ def _main(argv=None):
             # the baseline is compiled per shape (static: Inductor's best; with dynamic=True, 2.11's
             # cuDNN-SDPA lowering failed an alignment assert at N=1024)
             inductor_by_n = {n: torch.compile(block, dynamic=False) for n in ns}
-            sage = sage_compile.compile(block, config=sage_cfg, dynamic=True)
+            dynamic = not opts.static
+            sage = sage_compile.compile(block, config=sage_cfg, dynamic=dynamic)
             compiled[causal] = sage
-            prep = torch.compile(prep_only, dynamic=True)
-            ropes = torch.compile(rope_only, dynamic=True)
+            prep = torch.compile(prep_only, dynamic=dynamic)
+            ropes = torch.compile(rope_only, dynamic=dynamic)
             for n in ns:
                 batch = max(1, TOKENS // n)  # B·N = 16K tokens; one sequence from 16K up
                 sets = [make_inputs(batch, n, heads, d, seed) for seed in range(N_SETS)]
@@ -155,10 +158,11 @@ def _main(argv=None):
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
             results["prep_kernels"][f"d{d}_causal{int(causal)}"] = count_kernels(prep, sets[0])
-        if 1 in (int(c) for c in opts.causal.split(",")) and 0 in (int(c) for c in opts.causal.split(",")):
+        if not opts.no_accuracy and {0, 1} <= {int(c) for c in opts.causal.split(",")}:
             results["accuracy"] += _accuracy(compiled, d)
 
-    path = os.path.join(os.environ.get("OUT") or "docs/results", "e2e_bench.json")
+    name = "e2e_bench_static.json" if opts.static else "e2e_bench.json"
+    path = os.path.join(os.environ.get("OUT") or "docs/results", name)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
