@@ -73,7 +73,7 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
     p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens)
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        p.q_group, causal, q.shape[-1], q.dtype,
+        spec.kernel_mask(spec.broadcast_mask(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
     )
     return out
 
@@ -111,13 +111,13 @@ def _empty_outputs(q, k, head_dim, out_dtype):
 def quantized_attention(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor],
-    delta_s: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor],
+    delta_s: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
     q_group: int, causal: int, head_dim: int, out_dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores)."""
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens,
-                      q_group, causal, head_dim, out_dtype)
+                      q_group, causal, head_dim, out_dtype, attn_mask)
     if q.shape[2] == 0:
         return out, lse
     dispatch.run(args, out, lse)
@@ -125,5 +125,6 @@ def quantized_attention(
 
 
 @quantized_attention.register_fake
-def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, q_group, causal, head_dim, out_dtype):
+def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, q_group, causal, head_dim,
+      out_dtype):
     return _empty_outputs(q, k, head_dim, out_dtype)

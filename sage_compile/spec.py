@@ -256,8 +256,12 @@ def quantized_attention_reference(
     head_dim: int,
     out_dtype: torch.dtype,
     block_n: int = REFERENCE_BLOCK_N,
+    attn_mask: Optional[torch.Tensor] = None,
 ):
-    """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores)."""
+    """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores).
+
+    ``attn_mask`` [B|1, Hq|1, Nq, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
+    SDPA's additive mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
     batch, hq, n_q, dp = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -279,6 +283,9 @@ def quantized_attention_reference(
         if delta_s is not None:
             rows_group = torch.arange(n_q, device=dev) // q_group
             s = s + delta_s[:, :, rows_group, cols]
+        if attn_mask is not None:
+            tile = attn_mask[..., cols]
+            s = s.masked_fill(~tile, -math.inf) if tile.dtype == torch.bool else s + tile
         if allowed is not None:
             s = s.masked_fill(~allowed[:, cols], -math.inf)
         if key_valid is not None:
@@ -304,15 +311,35 @@ def quantized_attention_reference(
     return out[..., :head_dim].to(out_dtype), lse
 
 
+def kernel_mask(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """SDPA's attn_mask in the kernel contract: bool kept (1 byte/entry); additive → fp32 · log2 e."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    return attn_mask.float() * LOG2E
+
+
 def reference_attention(
     q, k, v, scale=None, causal: int = CAUSAL_NONE, quant: Quantization = Quantization(),
-    kv_lens=None, block_n: int = REFERENCE_BLOCK_N,
+    kv_lens=None, block_n: int = REFERENCE_BLOCK_N, attn_mask=None,
 ):
-    """The whole spec end to end (prep + kernel contract), SDPA layout: out [B,Hq,Nq,D]."""
+    """The whole spec end to end (prep + kernel contract), SDPA layout: out [B,Hq,Nq,D].
+    ``attn_mask`` as SDPA takes it, broadcastable to [B, Hq, Nq, Nk]."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = prepare(q, k, v, scale, quant, kv_lens)
     out, _ = quantized_attention_reference(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         p.q_group, causal, q.shape[-1], q.dtype, block_n=block_n,
+        attn_mask=kernel_mask(broadcast_mask(attn_mask, q, k)),
     )
     return out
+
+
+def broadcast_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """SDPA broadcasting of a mask to 4-D [B|1, Hq|1, Nq, Nk] (a view: size-1 dims keep stride 0)."""
+    if attn_mask is None:
+        return None
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    batch = q.shape[0] if attn_mask.shape[0] != 1 else 1
+    heads = q.shape[1] if attn_mask.shape[1] != 1 else 1
+    return attn_mask.expand(batch, heads, q.shape[2], k.shape[2])

@@ -15,7 +15,7 @@ from sage_compile import spec
 
 def _prepared_args(q, k, v, quant, kv_lens=None, causal=0):
     p = spec.prepare(q, k, v, q.shape[-1] ** -0.5, quant, kv_lens)
-    return (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, p.q_group,
+    return (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, None, p.q_group,
             causal, q.shape[-1], q.dtype)
 
 

@@ -29,6 +29,7 @@ class KernelArgs:
     causal: int
     head_dim: int
     out_dtype: torch.dtype
+    attn_mask: Optional[torch.Tensor] = None  # [B|1, Hq|1, Nq, Nk]: bool, or fp32 added to S (base 2)
 
     @property
     def device(self) -> torch.device:

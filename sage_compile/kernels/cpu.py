@@ -23,6 +23,8 @@ _KV_LENS_DTYPES = (torch.int32, torch.int64)
 
 
 def supports(args: KernelArgs) -> Optional[str]:
+    if args.attn_mask is not None:
+        return "attn_mask not implemented in this kernel yet"
     if args.device.type != "cpu":
         return f"device is {args.device.type}, not cpu"
     for name in ("q", "k"):

@@ -342,6 +342,8 @@ def _capability(device: torch.device):
 
 
 def supports(args: KernelArgs) -> Optional[str]:
+    if args.attn_mask is not None:
+        return "attn_mask not implemented in this kernel yet"
     if args.device.type != "cuda":
         return f"needs a CUDA device (got {args.device.type})"
     if torch.version.hip is not None:
