@@ -61,8 +61,8 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig) -> None:
-    kwargs = dict(scale=args["scale"], causal=causal_mode(args["is_causal"]), enable_gqa=args["enable_gqa"],
-                  **config.op_kwargs())
+    kwargs = dict(attn_mask=args["attn_mask"], scale=args["scale"], causal=causal_mode(args["is_causal"]),
+                  enable_gqa=args["enable_gqa"], **config.op_kwargs())
     with graph.inserting_before(node):
         new = graph.call_function(torch.ops.sage.attention.default,
                                   (args["query"], args["key"], args["value"]), kwargs)

@@ -48,7 +48,8 @@ def _analyse(node: torch.fx.Node):
         dropout_p=kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False),
         scale=kwargs.get("scale"), enable_gqa=False,
     )
-    call.nodes = (kwargs["query"], kwargs["key"], kwargs["value"])
+    mask_node = kwargs.get(mask_name) if mask_name else None
+    call.nodes = (kwargs["query"], kwargs["key"], kwargs["value"]) + ((mask_node,) if mask_node is not None else ())
     used = {user.args[1] for user in node.users if user.target is operator.getitem}
     if len(used) != len(node.users) or not used <= {0}:
         return call, "more than the attention output is used (log-sum-exp or training state)"
@@ -60,10 +61,16 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, co
 
     kwargs = dict(scale=call.scale, causal=causal_mode(call.is_causal), **config.op_kwargs())
 
-    def decomposition(q, k, v):
+    def masked(q, k, v, attn_mask):
+        return torch.ops.sage.attention(q, k, v, attn_mask, **kwargs)
+
+    def unmasked(q, k, v):
         return torch.ops.sage.attention(q, k, v, **kwargs)
 
-    sub = fwd_only(decomposition, [call.q, call.k, call.v])
+    if call.attn_mask is None:  # make_fx traces every parameter: one function per arity
+        sub = fwd_only(unmasked, [call.q, call.k, call.v])
+    else:
+        sub = fwd_only(masked, [call.q, call.k, call.v, call.attn_mask])
     env = {}
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     for placeholder, arg in zip(placeholders, call.nodes):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import spec
 from .config import SageConfig
@@ -41,7 +42,7 @@ def _shape(t) -> str:
 
 def unsupported_reason(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> Optional[str]:
     """None when sage can run ``call`` exactly as SDPA means it; otherwise why not (one sentence)."""
-    for check in (_check_arguments, _check_tensors, _check_heads, _check_grad, _check_kernel):
+    for check in (_check_arguments, _check_tensors, _check_heads, _check_mask, _check_grad, _check_kernel):
         reason = check(call, config, grad_enabled)
         if reason is not None:
             return reason
@@ -49,9 +50,6 @@ def unsupported_reason(call: AttentionCall, config: SageConfig, grad_enabled: bo
 
 
 def _check_arguments(call, config, grad_enabled):
-    if call.attn_mask is not None:
-        return ("attn_mask is given: general masks and additive biases stay on SDPA "
-                "(use is_causal=True for causal attention)")
     if not (isinstance(call.dropout_p, numbers.Number) and call.dropout_p == 0):
         return f"dropout_p={call.dropout_p}: 8-bit attention has no dropout"
     if not isinstance(call.is_causal, bool):
@@ -96,6 +94,33 @@ def _check_heads(call, config, grad_enabled):
         return f"{hq} query heads vs {hkv} key heads without enable_gqa=True (SDPA rejects this too)"
     if hq % hkv:
         return f"query heads ({hq}) not a multiple of key/value heads ({hkv})"
+    return None
+
+
+def _check_mask(call, config, grad_enabled):
+    """Any mask SDPA broadcasts to [B, Hq, Nq, Nk] with per-batch/per-head dims of size B|1 and Hq|1
+    runs in the kernel (bool, or additive float); it costs the kernel one mask read per score."""
+    mask = call.attn_mask
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        return f"attn_mask is a {type(mask).__name__}, not a tensor"
+    if call.is_causal:
+        return "attn_mask together with is_causal=True (SDPA rejects this too)"
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return f"attn_mask dtype {mask.dtype}: expected bool or a float dtype"
+    if mask.device != call.q.device:
+        return f"attn_mask on {mask.device}, inputs on {call.q.device}"
+    if mask.dim() > 4:
+        return f"attn_mask has {mask.dim()} dims; sage takes at most 4 ([B, H, Nq, Nk])"
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    full = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
+    names = ("batch", "heads", "queries", "keys")
+    for size, target, name in zip(shape, full, names):
+        if not (statically_known_true(size == 1) or statically_known_true(size == target)):
+            return f"attn_mask {tuple(mask.shape)} does not broadcast over {name} ({target})"
+    if grad_enabled and mask.requires_grad:
+        return "attn_mask requires grad (a learned bias): sage has no backward yet"
     return None
 
 

@@ -40,13 +40,36 @@ def test_bottom_right_causal_matches_an_explicit_mask():
 
 def test_unsupported_calls_fall_back_explicitly():
     q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=2)
-    mask = torch.rand(16, 16) > 0.3
-    with pytest.warns(UserWarning, match="attn_mask"):
-        out = sage_attention(q, k, v, attn_mask=mask)
-    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    bias = torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True)  # a learned bias: needs backward
+    with pytest.warns(UserWarning, match="attn_mask requires grad"):
+        out = sage_attention(q, k, v, attn_mask=bias)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
     assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 1
     with pytest.raises(UnsupportedAttentionError, match="dropout"):
         sage_attention(q, k, v, dropout_p=0.1, config=SageConfig(fallback="error"))
+
+
+@given(seed=st.integers(0, 2**16), kind=st.sampled_from(["padding", "bool_full", "additive", "additive_2d"]),
+       n_q=st.sampled_from([1, 17, 64]), n_k=st.sampled_from([5, 64, 100]))
+def test_masks_run_in_the_kernel(seed, kind, n_q, n_k):
+    """Key padding ([B,1,1,Nk] bool), HF-style [B,1,Nq,Nk] bool, additive float masks: sage, not SDPA."""
+    q, k, v = random_qkv(2, 4, 2, n_q, n_k, 64, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    if kind == "padding":
+        mask = torch.arange(n_k)[None, None, None, :] < torch.tensor([n_k, max(1, n_k // 2)])[:, None, None, None]
+    elif kind == "bool_full":
+        mask = (torch.rand(2, 1, n_q, n_k, generator=g) > 0.3) | (torch.arange(n_k) == 0)
+    elif kind == "additive":
+        mask = torch.randn(2, 4, n_q, n_k, generator=g).to(torch.bfloat16)
+        mask[..., -1] = float("-inf")
+    else:
+        mask = torch.randn(n_q, n_k, generator=g).to(torch.bfloat16)
+    out = sage_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
+    ref = spec.reference_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    exact = _sdpa_fp32(q, k, v, attn_mask=mask if mask.dtype == torch.bool else mask.float(), enable_gqa=True)
+    assert cosine(out, exact) > 0.995
 
 
 def test_fp32_and_grad_fall_back_unless_allowed():

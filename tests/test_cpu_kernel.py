@@ -115,7 +115,7 @@ _FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", 
 
 
 def _oracle(args: KernelArgs):
-    return spec.quantized_attention_reference(*(getattr(args, f) for f in _FIELDS))
+    return spec.quantized_attention_reference(*(getattr(args, f) for f in _FIELDS), attn_mask=args.attn_mask)
 
 
 def _run_cpu(args: KernelArgs, out=None, lse=None):
@@ -130,7 +130,7 @@ def _run_cpu(args: KernelArgs, out=None, lse=None):
     return out, lse
 
 
-def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None) -> KernelArgs:
+def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None, attn_mask=None) -> KernelArgs:
     """spec.prepare's outputs as kernel inputs. prepare needs Nk > 0 (δV is an amax over keys): for
     Nk = 0 it runs on one key and the key dimension is cut back to 0 afterwards."""
     n_k = k.shape[2]
@@ -141,6 +141,7 @@ def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None) -> KernelArg
     return KernelArgs(
         p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., keys], p.v_scale, p.v_mean,
         None if p.delta_s is None else p.delta_s[..., keys], kv_lens, p.q_group, causal, q.shape[-1], out_dtype,
+        attn_mask,
     )
 
 
@@ -168,6 +169,39 @@ def _assert_matches_oracle(out, lse, ref_out, ref_lse):
     torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-6, atol=1e-6)
 
 
+_MASK_LAYOUTS = ((0, 1, 2, 3), (0, 1, 3, 2), (3, 2, 1, 0), (2, 0, 3, 1))
+
+
+def _random_mask(kind, batch, hq, n_q, n_k, seed, expand=False, layout=(0, 1, 2, 3)):
+    """A kernel-contract attn_mask, or None. kind = (dtype, Bm, Hm) with Bm ∈ {1, B}, Hm ∈ {1, Hq}:
+    bool with ~30% False, or fp32 (base-2 units) with random finite values and ~10% -inf. ``expand``
+    turns size-1 dims into stride-0 views of the full [B, Hq, Nq, Nk]; ``layout`` stores it permuted and
+    strided (see _strided_copy)."""
+    if kind is None:
+        return None
+    dtype, bm, hm = kind
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (bm, hm, n_q, n_k)
+    if dtype == torch.bool:
+        mask = torch.rand(shape, generator=g) >= 0.3
+    else:
+        mask = torch.randn(shape, generator=g) * 4
+        mask = mask.masked_fill(torch.rand(shape, generator=g) < 0.1, -math.inf)
+    if layout != (0, 1, 2, 3):
+        mask = _strided_copy(mask, list(layout))
+    return mask.expand(batch, hq, n_q, n_k) if expand else mask
+
+
+@st.composite
+def _masks(draw, batch, hq):
+    """None, or (dtype, Bm, Hm) and how it is laid out: as _random_mask's arguments."""
+    dtype = draw(st.sampled_from([None, torch.bool, torch.float32]))
+    if dtype is None:
+        return dict(kind=None)
+    kind = (dtype, draw(st.sampled_from([1, batch])), draw(st.sampled_from([1, hq])))
+    return dict(kind=kind, expand=draw(st.booleans()), layout=draw(st.sampled_from(_MASK_LAYOUTS)))
+
+
 _LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 150]), st.integers(0, 150))
 
 
@@ -187,8 +221,9 @@ def _problems(draw):
         smooth_v=draw(st.booleans()),
         pv=draw(st.sampled_from(sorted(spec.PV_DTYPES))),
     )
+    batch, hq = draw(st.integers(1, 2)), hkv * draw(st.integers(1, 3))
     return dict(
-        batch=draw(st.integers(1, 2)), hkv=hkv, hq=hkv * draw(st.integers(1, 3)),
+        batch=batch, hkv=hkv, hq=hq,
         n_q=draw(_LENGTHS), n_k=draw(_LENGTHS),
         d=draw(st.integers(1 if dp == 32 else dp // 2 + 1, dp)),  # spec.padded_head_dim(d) == dp
         quant=quant,
@@ -197,6 +232,7 @@ def _problems(draw):
         in_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
         out_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        mask=draw(_masks(batch, hq)),
     )
 
 
@@ -210,8 +246,58 @@ def test_matches_oracle_bit_for_bit(problem):
     if p["kv_lens"]:
         g = torch.Generator().manual_seed(p["seed"])
         kv_lens = torch.randint(0, p["n_k"] + 1, (p["batch"],), generator=g, dtype=torch.int32)
-    args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens)
+    mask = _random_mask(batch=p["batch"], hq=p["hq"], n_q=p["n_q"], n_k=p["n_k"], seed=p["seed"], **p["mask"])
+    args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens, mask)
     _assert_matches_oracle(*_run_cpu(args), *_oracle(args))
+
+
+# The mask kinds of the contract, each run once whatever the property test above happens to draw.
+_MASK_CASES = {
+    "bool[B,1]": dict(kind=(torch.bool, 2, 1)),
+    "bool[1,1]": dict(kind=(torch.bool, 1, 1)),
+    "bool[1,Hq]-expanded": dict(kind=(torch.bool, 1, 4), expand=True),
+    "bool[1,1]-expanded-strided": dict(kind=(torch.bool, 1, 1), expand=True, layout=(3, 2, 1, 0)),
+    "fp32[B,Hq]": dict(kind=(torch.float32, 2, 4)),
+    "fp32[B,Hq]-strided": dict(kind=(torch.float32, 2, 4), layout=(2, 0, 3, 1)),
+    "fp32[B,1]-expanded": dict(kind=(torch.float32, 2, 1), expand=True),
+    "fp32[1,1]-expanded-transposed": dict(kind=(torch.float32, 1, 1), expand=True, layout=(0, 1, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MASK_CASES))
+def test_every_mask_kind_matches_oracle(case):
+    q, k, v = random_qkv(2, 4, 2, 70, 150, 64, seed=11, k_bias=1.0)
+    mask = _random_mask(batch=2, hq=4, n_q=70, n_k=150, seed=11, **_MASK_CASES[case])
+    quant = spec.Quantization(smooth_q=True, smooth_v=True, q_block=32)
+    kv_lens = torch.tensor([150, 120], dtype=torch.int32)
+    args = _prepared_args(q, k, v, quant, spec.CAUSAL_BOTTOM_RIGHT, torch.bfloat16, kv_lens, mask)
+    out, lse = _run_cpu(args)
+    _assert_matches_oracle(out, lse, *_oracle(args))
+    assert not torch.equal(out, _run_cpu(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype):
+    """Rows the mask closes entirely get out 0 (no v_mean) and lse -inf, like the spec; rows closed only
+    in the first key block (m stays -inf across it) and rows left open are exact as usual."""
+    batch, hq, n_q, n_k = 2, 4, 70, 150
+    q, k, v = random_qkv(batch, hq, 2, n_q, n_k, 64, seed=13)
+    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool)
+    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool)
+    closed[0, 1, :] = True  # a whole (batch, head)
+    closed[1, :, 5] = True  # one query row in every head
+    closed[1, 3, 64:] = True  # the rows of a second row block of the kernel
+    allowed[closed] = False
+    allowed[0, 2, 10:20, :64] = False  # closed in the first key block only
+    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)
+    args = _prepared_args(q, k, v, spec.Quantization(smooth_v=True), spec.CAUSAL_NONE, torch.float32,
+                          attn_mask=mask)
+    out, lse = _run_cpu(args)
+    ref_out, ref_lse = _oracle(args)
+    _assert_matches_oracle(out, lse, ref_out, ref_lse)
+    assert torch.equal(lse == -math.inf, closed) and torch.equal(ref_lse == -math.inf, closed)
+    assert (out[closed] == 0).all() and (ref_out[closed] == 0).all()
+    assert out[~closed].isfinite().all() and (out[~closed] != 0).any()
 
 
 @pytest.mark.parametrize("causal", sorted(spec.CAUSAL_NAMES))
@@ -275,8 +361,13 @@ def test_supports_names_what_it_cannot_run():
     args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
     assert cpu.supports(args) is None
     for field, value in (("v", args.v.to(torch.bfloat16)), ("q_scale", args.q_scale.double()),
-                         ("out_dtype", torch.float64), ("q", args.q.float())):
-        assert field in cpu.supports(dataclasses.replace(args, **{field: value}))
+                         ("out_dtype", torch.float64), ("q", args.q.float()),
+                         ("attn_mask", torch.zeros(1, 1, 8, 8, dtype=torch.float16)),
+                         ("attn_mask", torch.ones(1, 1, 8, 8, dtype=torch.uint8))):
+        why_not = cpu.supports(dataclasses.replace(args, **{field: value}))
+        assert field in why_not, why_not
+    for mask in (torch.ones(1, 2, 8, 8, dtype=torch.bool), torch.zeros(1, 1, 8, 8).expand(1, 2, 8, 8)):
+        assert cpu.supports(dataclasses.replace(args, attn_mask=mask)) is None
 
 
 def test_wrong_shapes_are_refused_before_the_kernel_runs():
@@ -284,6 +375,10 @@ def test_wrong_shapes_are_refused_before_the_kernel_runs():
     args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
     with pytest.raises(ValueError, match="k_scale"):
         _run_cpu(dataclasses.replace(args, k_scale=args.k_scale[..., :-1]))
+    for shape in ((8, 8), (1, 8, 8), (1, 1, 1, 8, 8), (2, 1, 8, 8), (1, 3, 8, 8), (1, 1, 8, 7), (1, 2, 1, 8),
+                  (1, 1, 8, 1)):
+        with pytest.raises(ValueError, match=r"attn_mask has shape .*\[B\|1, Hq\|1, Nq, Nk\]"):
+            _run_cpu(dataclasses.replace(args, attn_mask=torch.ones(shape, dtype=torch.bool)))
 
 
 def test_faster_than_the_python_reference(capsys):

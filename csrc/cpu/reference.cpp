@@ -268,6 +268,34 @@ std::optional<KvLens> kv_lens_view(const std::optional<TensorArg>& arg) {
                 dtype == "int64"};
 }
 
+// attn_mask [B|1, Hq|1, Nq, Nk]: bool (nonzero byte = attend) or fp32 added to S. Python passes stride 0
+// for its broadcast (size-1) dimensions, so it is indexed with the score's own (b, h, i, j).
+struct AttnMask {
+  const uint8_t* data;
+  std::array<int64_t, 4> strides;
+  bool is_bool;
+
+  HOT int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3];
+  }
+  HOT bool allowed(int64_t b, int64_t h, int64_t i, int64_t j) const { return data[offset(b, h, i, j)] != 0; }
+  HOT float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    float x;
+    std::memcpy(&x, data + 4 * offset(b, h, i, j), sizeof x);
+    return x;
+  }
+};
+
+std::optional<AttnMask> attn_mask_view(const std::optional<TensorArg>& arg) {
+  if (!arg) return std::nullopt;
+  const std::string& dtype = std::get<1>(*arg);
+  if (dtype != "bool" && dtype != "float32") {
+    throw py::type_error("attn_mask: dtype " + dtype + " is not bool or float32");
+  }
+  return AttnMask{reinterpret_cast<const uint8_t*>(std::get<0>(*arg)), checked_strides<4>(*arg, "attn_mask"),
+                  dtype == "bool"};
+}
+
 // ------------------------------------------------------------------------------------------------
 // The kernel. A task is a block of query rows of one (batch, head). Per key block it computes the
 // dot products of all its rows, then each row's online-softmax step, then P̂·V̂ for all its rows.
@@ -308,6 +336,7 @@ struct Problem {
   std::optional<View<const float, 3>> v_mean;
   std::optional<View<const float, 4>> delta_s;
   std::optional<KvLens> kv_lens;
+  std::optional<AttnMask> attn_mask;
   PvTensor v;
   OutTensor out;
   View<float, 3> lse;
@@ -400,7 +429,8 @@ HOT void pv_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
   }
 }
 
-// Turns row r's dot products into base-2 scores, masked to -inf; same op order as the spec.
+// Turns row r's dot products into base-2 scores, masked to -inf; same op order as the spec:
+// (dot·q_scale)·k_scale, + ΔS, attn_mask (bool: -inf where False; fp32: + mask), then causal/kv_lens.
 HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t i, int64_t r,
                        int64_t start, int64_t cols) {
   const float qs = pb.q_scale(b, h, i);
@@ -408,8 +438,17 @@ HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int6
   for (int64_t j = 0; j < cols; ++j) {
     float score = s[j] * qs * ws.k_scale[j];
     if (pb.delta_s) score = score + (*pb.delta_s)(b, h, i / pb.q_group, start + j);
-    s[j] = key_allowed(pb, b, i, start + j) ? score : -kInf;
+    s[j] = score;
   }
+  if (pb.attn_mask) {
+    const AttnMask& mask = *pb.attn_mask;
+    if (mask.is_bool) {
+      for (int64_t j = 0; j < cols; ++j) s[j] = mask.allowed(b, h, i, start + j) ? s[j] : -kInf;
+    } else {
+      for (int64_t j = 0; j < cols; ++j) s[j] = s[j] + mask.bias(b, h, i, start + j);
+    }
+  }
+  for (int64_t j = 0; j < cols; ++j) s[j] = key_allowed(pb, b, i, start + j) ? s[j] : -kInf;
 }
 
 // The spec's online-softmax step for query row i (row r of the task), up to the P̂·V̂ product.
@@ -492,7 +531,8 @@ void check(bool ok, const std::string& what) {
 void quantized_attention(const TensorArg& q, const TensorArg& q_scale, const TensorArg& k,
                          const TensorArg& k_scale, const TensorArg& v, const TensorArg& v_scale,
                          const std::optional<TensorArg>& v_mean, const std::optional<TensorArg>& delta_s,
-                         const std::optional<TensorArg>& kv_lens, const TensorArg& out, const TensorArg& lse,
+                         const std::optional<TensorArg>& kv_lens, const std::optional<TensorArg>& attn_mask,
+                         const TensorArg& out, const TensorArg& lse,
                          const std::array<int64_t, 6>& sizes, int64_t head_dim, int64_t q_group, int64_t causal,
                          int64_t block_n, int num_threads) {
   const auto [batch, hq, hkv, n_q, n_k, dp] = sizes;
@@ -511,6 +551,7 @@ void quantized_attention(const TensorArg& q, const TensorArg& q_scale, const Ten
       view<const float, 3>(v_scale, "v_scale", "float32"),
       optional_view<const float, 3>(v_mean, "v_mean", "float32"),
       optional_view<const float, 4>(delta_s, "delta_s", "float32"), kv_lens_view(kv_lens),
+      attn_mask_view(attn_mask),
       PvTensor{reinterpret_cast<const uint8_t*>(std::get<0>(v)), checked_strides<4>(v, "v"),
                pv_format(std::get<1>(v))},
       out_tensor(out), view<float, 3>(lse, "lse", "float32")};
@@ -557,12 +598,13 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "Exact C++ CPU reference kernel of sage.quantized_attention (see sage_compile/spec.py).";
   m.def("quantized_attention", &quantized_attention,
         "Writes out [B,Hq,Nq,head_dim] and lse [B,Hq,Nq] through their strides. Each tensor is "
-        "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). Runs on num_threads "
+        "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). attn_mask (bool or "
+        "fp32) is indexed [b, h, i, j]: broadcast dimensions must come with stride 0. Runs on num_threads "
         "OpenMP threads without the GIL.",
         py::kw_only(), py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
-        py::arg("v_scale"), py::arg("v_mean"), py::arg("delta_s"), py::arg("kv_lens"), py::arg("out"),
-        py::arg("lse"), py::arg("sizes"), py::arg("head_dim"), py::arg("q_group"), py::arg("causal"),
-        py::arg("block_n"), py::arg("num_threads"));
+        py::arg("v_scale"), py::arg("v_mean"), py::arg("delta_s"), py::arg("kv_lens"), py::arg("attn_mask"),
+        py::arg("out"), py::arg("lse"), py::arg("sizes"), py::arg("head_dim"), py::arg("q_group"),
+        py::arg("causal"), py::arg("block_n"), py::arg("num_threads"));
   m.def("_round_pv", &round_pv_hook, "Test hook: P̂ rounding (clamp to ±448, round to pv_dtype), fp32 → fp32.",
         py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("pv_dtype"));
   m.def("_cast", &cast_hook, "Test hook: fp32 → bf16/fp16 codes (outputs), e4m3fn/fp16 codes → fp32 (V̂).",

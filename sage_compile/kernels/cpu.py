@@ -15,16 +15,15 @@ from . import KernelArgs
 
 NAME = "cpu"
 
-_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens")
+_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask")
 _SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
 _V_DTYPES = (torch.float8_e4m3fn, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KV_LENS_DTYPES = (torch.int32, torch.int64)
+_MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
 
 
 def supports(args: KernelArgs) -> Optional[str]:
-    if args.attn_mask is not None:
-        return "attn_mask not implemented in this kernel yet"
     if args.device.type != "cpu":
         return f"device is {args.device.type}, not cpu"
     for name in ("q", "k"):
@@ -40,6 +39,8 @@ def supports(args: KernelArgs) -> Optional[str]:
         return f"out_dtype={args.out_dtype}, expected bfloat16, float16 or float32"
     if args.kv_lens is not None and args.kv_lens.dtype not in _KV_LENS_DTYPES:
         return f"kv_lens.dtype={args.kv_lens.dtype}, expected int32 or int64"
+    if args.attn_mask is not None and args.attn_mask.dtype not in _MASK_DTYPES:
+        return f"attn_mask.dtype={args.attn_mask.dtype}, expected bool or float32"
     return None
 
 
@@ -52,7 +53,8 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         q=_tensor_arg(args.q), q_scale=_tensor_arg(args.q_scale), k=_tensor_arg(args.k),
         k_scale=_tensor_arg(args.k_scale), v=_tensor_arg(args.v), v_scale=_tensor_arg(args.v_scale),
         v_mean=_tensor_arg(args.v_mean), delta_s=_tensor_arg(args.delta_s), kv_lens=_tensor_arg(args.kv_lens),
-        out=_tensor_arg(out), lse=_tensor_arg(lse), sizes=(batch, hq, hkv, n_q, n_k, dp),
+        attn_mask=_mask_arg(args.attn_mask), out=_tensor_arg(out), lse=_tensor_arg(lse),
+        sizes=(batch, hq, hkv, n_q, n_k, dp),
         head_dim=args.head_dim, q_group=args.q_group, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
         num_threads=torch.get_num_threads(),  # honour torch.set_num_threads, like torch's own CPU ops
     )
@@ -62,6 +64,15 @@ def _tensor_arg(t: Optional[torch.Tensor]):
     if t is None:
         return None
     return t.data_ptr(), str(t.dtype).removeprefix("torch."), tuple(t.stride())
+
+
+def _mask_arg(mask: Optional[torch.Tensor]):
+    """The kernel indexes the mask with each score's own (b, h, i, j): a size-1 (broadcast) dimension
+    gets stride 0, whatever stride it has."""
+    if mask is None:
+        return None
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))
+    return mask.data_ptr(), str(mask.dtype).removeprefix("torch."), strides
 
 
 def _check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -97,6 +108,14 @@ def _check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> Non
             raise ValueError(f"sage.quantized_attention: {name} is on {t.device}; the cpu kernel needs cpu")
         if name in expected and tuple(t.shape) != expected[name]:
             raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    mask = args.attn_mask
+    if mask is not None:
+        if mask.dtype not in _MASK_DTYPES:
+            raise ValueError(f"sage.quantized_attention: attn_mask.dtype={mask.dtype}, expected bool or float32")
+        m = tuple(mask.shape)
+        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2:] != (n_q, n_k):
+            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq, Nk] "
+                             f"= [{batch}|1, {hq}|1, {n_q}, {n_k}]")
     v_shape = tuple(args.v.shape)
     if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
         raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

@@ -105,11 +105,13 @@ def config_for(args: KernelArgs) -> Config:
     return _fit_shared_memory(cfg, args)
 
 
-def _smem_estimate(cfg: Config, dp: int, v_bytes: int, ds_tile: bool) -> int:
-    """Shared memory of the pipelined loop: within 1% of Triton's own for K/V; over-counts the ΔS tile."""
+def _smem_estimate(cfg: Config, dp: int, v_bytes: int, ds_tile: bool, mask_bytes: int = 0) -> int:
+    """Shared memory of the pipelined loop: within 1% of Triton's own for K/V; over-counts the ΔS and
+    attn_mask tiles (``mask_bytes`` per mask entry, 0 without a mask)."""
     per_stage = cfg.block_n * dp + dp * cfg.block_n * v_bytes + cfg.block_n * 4
     if ds_tile:  # a [BLOCK_M, BLOCK_N] fp32 ΔS tile per stage
         per_stage += cfg.block_m * cfg.block_n * 4
+    per_stage += cfg.block_m * cfg.block_n * mask_bytes
     return cfg.num_stages * per_stage + cfg.block_m * dp
 
 
@@ -125,9 +127,10 @@ def _fit_shared_memory(cfg: Config, args: KernelArgs) -> Config:
         return cfg
     limit = _smem_limit(args.device.index if args.device.index is not None else torch.cuda.current_device())
     dp, v_bytes = args.q.shape[-1], args.v.element_size()
+    mask_bytes = args.attn_mask.element_size() if args.attn_mask is not None else 0
     while True:
         ds_tile = args.delta_s is not None and args.q_group % cfg.block_m != 0
-        if _smem_estimate(cfg, dp, v_bytes, ds_tile) <= limit:
+        if _smem_estimate(cfg, dp, v_bytes, ds_tile, mask_bytes) <= limit:
             return cfg
         if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
@@ -149,9 +152,10 @@ def block_n_for(args: KernelArgs) -> int:
 @triton.jit
 def _attn_block(
     o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset, k_ptrs, ks_ptrs, v_ptrs, k_desc, v_desc,
-    k_row0, v_row0, ds_ptrs, Nk, NKP,
+    k_row0, v_row0, ds_ptrs, Nk, NKP, am_ptrs, sam_k, row_ok,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, DS_MODE: tl.constexpr,
     PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr, FAST: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if USE_TMA:
@@ -191,6 +195,14 @@ def _attn_block(
                 s += tl.load(ds_ptrs, mask=(offs_n < Nk)[None, :], other=0.0)
             else:
                 s += tl.load(ds_ptrs)
+        if HAS_MASK:  # attn_mask tile (only ever with MASK): after ΔS, before the causal / kv_lens masks
+            am_tile = am_ptrs + offs_n.to(tl.int64)[None, :] * sam_k  # 64-bit: a mask may pass 2^31 entries
+            in_bounds = row_ok[:, None] & (offs_n < Nk)[None, :]
+            if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend
+                keep = tl.load(am_tile, mask=in_bounds, other=0) != 0
+                s = tl.where(keep, s, float("-inf"))
+            else:  # fp32, added to S (base 2); -inf masks
+                s += tl.load(am_tile, mask=in_bounds, other=float("-inf"))
         if MASK:
             allowed = (offs_n < n_valid)[None, :]
             if CAUSAL:
@@ -235,18 +247,18 @@ def _attn_block(
     do_not_specialize=[
         "Nq", "Nk", "q_group", "head_dim", "causal_offset", "has_vm", "has_kvl",
         "sqs_b", "sqs_h", "sks_b", "sks_h", "sds_b", "sds_h", "sds_g", "slse_b", "slse_h",
-        "svs_b", "svs_h", "svm_b", "svm_h",
+        "svs_b", "svs_h", "svm_b", "svm_h", "sam_b", "sam_h",
     ]
 )
 def _attn_fwd(
     Q, K, V, QS, KS, VS, VM, DS, KVL, Out, Lse, k_desc, v_desc,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_d,
     sqs_b, sqs_h, sks_b, sks_h, svs_b, svs_h, svm_b, svm_h, sds_b, sds_h, sds_g,
-    so_b, so_h, so_n, so_d, slse_b, slse_h,
+    so_b, so_h, so_n, so_d, slse_b, slse_h, AM, sam_b, sam_h, sam_n, sam_k,
     Hq, GQA, Hkv, Nq, Nk, NKP, q_group, head_dim, causal_offset, has_vm, has_kvl,
     HEAD_DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DS_MODE: tl.constexpr, PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
-    FAST: tl.constexpr,
+    FAST: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
 ):
     if CAUSAL:  # heaviest query blocks first: the light ones fill the tail of the grid
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -282,6 +294,10 @@ def _attn_fwd(
         ds_ptrs = DS + b64 * sds_b + h64 * sds_h + groups[:, None] * sds_g + offs_n[None, :]
     else:
         ds_ptrs = DS
+    if HAS_MASK:  # attn_mask rows of this query block ([BLOCK_M, 1]); broadcast batch/head: stride 0
+        am_ptrs = AM + b64 * sam_b + h64 * sam_h + offs_m.to(tl.int64)[:, None] * sam_n
+    else:
+        am_ptrs = AM
 
     n_valid = Nk
     if has_kvl != 0:
@@ -294,7 +310,10 @@ def _attn_fwd(
         hi = n_valid
         full = n_valid
     hi = tl.maximum(hi, 0)
-    full_end = (tl.maximum(full, 0) // BLOCK_N) * BLOCK_N
+    if HAS_MASK:  # any tile may hold masked entries: every key block takes the masked path
+        full_end = 0
+    else:
+        full_end = (tl.maximum(full, 0) // BLOCK_N) * BLOCK_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -305,16 +324,16 @@ def _attn_fwd(
         o, m, l = _attn_block(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
             k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
-            ds_ptrs + start_n, Nk, NKP,
-            BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST,
+            ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
+            BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST, False, MASK_IS_BOOL,
         )
     # Diagonal (causal), kv_lens and tail blocks: masked.
     for start_n in range(full_end, hi, BLOCK_N):
         o, m, l = _attn_block(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
             k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
-            ds_ptrs + start_n, Nk, NKP,
-            BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST,
+            ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
+            BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST, HAS_MASK, MASK_IS_BOOL,
         )
 
     if FAST:
@@ -342,8 +361,6 @@ def _capability(device: torch.device):
 
 
 def supports(args: KernelArgs) -> Optional[str]:
-    if args.attn_mask is not None:
-        return "attn_mask not implemented in this kernel yet"
     if args.device.type != "cuda":
         return f"needs a CUDA device (got {args.device.type})"
     if torch.version.hip is not None:
@@ -373,6 +390,26 @@ def supports(args: KernelArgs) -> Optional[str]:
         t = getattr(args, name)
         if t is not None and t.dtype != torch.float32:
             return f"{name} must be float32 (got {t.dtype})"
+    return _mask_problem(args)
+
+
+def _mask_problem(args: KernelArgs) -> Optional[str]:
+    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq, Nk], bool or fp32."""
+    mask = args.attn_mask
+    if mask is None:
+        return None
+    if mask.dtype not in (torch.bool, torch.float32):
+        return f"attn_mask must be bool or float32 (got {mask.dtype})"
+    batch, hq, n_q, _ = args.q.shape
+    n_k = args.k.shape[2]
+    if mask.dim() != 4:
+        return f"attn_mask must be 4-D [B|1, Hq|1, Nq, Nk] (got shape {tuple(mask.shape)})"
+    bm, hm, mq, mk = mask.shape
+    if bm not in (1, batch) or hm not in (1, hq) or mq != n_q or mk != n_k:
+        return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq, Nk] = "
+                f"[{batch}|1, {hq}|1, {n_q}, {n_k}]")
+    if mask.device != args.device:
+        return f"attn_mask must be on {args.device} (got {mask.device})"
     return None
 
 
@@ -423,6 +460,14 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
     else:
         k_desc = v_desc = 0
     causal_offset = n_k - n_q if args.causal == 2 else 0
+    mask = args.attn_mask
+    if mask is not None:
+        mask_is_bool = mask.dtype == torch.bool
+        am = mask.view(torch.uint8) if mask_is_bool else mask  # same bytes; 0 = masked
+        # Broadcast batch/head (size 1) read with stride 0 whatever stride the view has.
+        am_strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
+    else:
+        mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
     ds_strides = ds.stride() if args.delta_s is not None else (0, 0, 0)
     grid = (triton.cdiv(n_q, cfg.block_m), batch * hq)
     call = _attn_fwd.warmup if warmup else _attn_fwd[grid]
@@ -435,9 +480,11 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
         args.v_scale.stride(0), args.v_scale.stride(1), vm.stride(0), vm.stride(1),
         ds_strides[0], ds_strides[1], ds_strides[2],
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1),
+        am, am_strides[0], am_strides[1], am_strides[2], am_strides[3],
         hq, hq // hkv, hkv, n_q, n_k, nkp, args.q_group, args.head_dim, causal_offset,
         int(args.v_mean is not None), int(args.kv_lens is not None),
         HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
         DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma, FAST=cfg.fast,
+        HAS_MASK=mask is not None, MASK_IS_BOOL=mask_is_bool,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
