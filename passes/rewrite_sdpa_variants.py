@@ -15,6 +15,8 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, judge_site
 from sage_compile.support import AttentionCall, causal_mode
 
+from .rewrite_sdpa import SDPA_TARGETS as SDPA_CALLS
+
 aten = torch.ops.aten
 # op → name of its mask argument (None: the op takes no mask)
 SDPA_VARIANTS = {
@@ -28,7 +30,7 @@ SDPA_VARIANTS = {
 def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: SiteReport) -> None:
     index = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA_VARIANTS:
+        if node.op != "call_function" or node.target not in SDPA_VARIANTS or _judged_in_stage1(node):
             continue
         name = f"{node.target.__name__.split('.')[0]}#{index}"
         index += 1
@@ -36,6 +38,11 @@ def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: Sit
         if not judge_site(report, name, call, config, "inductor-sdpa", grad_enabled=False, reason=reason):
             continue
         _replace(graph, node, call, config)
+
+
+def _judged_in_stage1(node: torch.fx.Node) -> bool:
+    """Traced from an F.sdpa call: stage 1 already kept it (with its reason) — don't report it twice."""
+    return any(target in SDPA_CALLS for _, target in node.meta.get("source_fn_stack") or ())
 
 
 def _analyse(node: torch.fx.Node):

@@ -53,12 +53,30 @@ def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options
         if inductor_options:
             raise ValueError(f"options {sorted(inductor_options)} are unknown to SageConfig "
                              f"and inner_backend='aot_eager' takes none")
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend("aot_eager")(gm, example_inputs)
+        return aot_with_joint_passes(gm, example_inputs, config, report)
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, inductor_options, report))
+
+
+def aot_with_joint_passes(gm, example_inputs, config: SageConfig, report: SiteReport):
+    """AOTAutograd + Inductor's joint-graph passes (its fuse_attention, then our stage 2), run eagerly:
+    every site the inductor path would find, without code generation (fast; used by explain and tests)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    from .passes import stage2_patches
+
+    def forward_compiler(graph_module, _inputs):
+        with torch._inductor.config.patch(stage2_patches(config, report)):
+            joint_graph_passes(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    def backward_compiler(graph_module, _inputs):
+        return make_boxed_func(graph_module.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(gm, example_inputs)
 
 
 def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: Dict[str, Any],

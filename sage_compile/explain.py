@@ -29,10 +29,11 @@ class Explanation:
 
 
 def explain(model, *example_inputs, config: Optional[SageConfig] = None, **example_kwargs) -> Explanation:
-    """Trace ``model`` with the sage passes (no Inductor codegen, nothing cached) and report the sites."""
+    """Trace ``model`` with every sage pass, Inductor's attention matching included (no code generation,
+    nothing cached), and report the sites."""
     from .backend import collect_reports, sage_backend
 
-    config = (config or SageConfig()).replace(inner_backend="eager")
+    config = (config or SageConfig()).replace(inner_backend="aot_eager")
     torch._dynamo.reset()
     with collect_reports() as reports:
         compiled = torch.compile(model, backend=sage_backend, options={"sage_config": config})
