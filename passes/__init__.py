@@ -4,10 +4,11 @@ Stage 1 runs on the Dynamo graph (torch IR) inside the backend, before AOTAutogr
 inside Inductor, handed over through ``compile_fx(config_patches=...)`` as CustomGraphPasses.
 """
 from .graph_pass import SagePass
+from .match_manual_attention import match_manual_attention
 from .rewrite_sdpa import rewrite_sdpa
 from .rewrite_sdpa_variants import rewrite_sdpa_variants
 
-STAGE1 = (rewrite_sdpa,)
+STAGE1 = (rewrite_sdpa, match_manual_attention)
 
 
 def run_stage1(gm, config, report):

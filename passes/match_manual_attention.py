@@ -1,0 +1,272 @@
+"""Stage 1b (Dynamo graph, torch IR): hand-written softmax(Q·Kᵀ·s + mask)·V → sage.attention.
+
+Inductor's own fuse_attention (seen by stage 2) misses the forms real models write: softmax in fp32 then a
+cast back, scale applied to q or k before the product, masks added or filled (masked_fill/where with −inf
+or finfo.min, causal triu/tril masks), dropout with p=0 or in eval, einsum, repeat_kv GQA expansion.
+Each piece is matched by a small function below that reads like the code it matches; the walk starts at
+every softmax and goes backwards to Q·Kᵀ and forwards to ·V.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from sage_compile.config import SageConfig
+from sage_compile.sites import SiteReport, judge_site, site_name
+from sage_compile.support import AttentionCall
+
+Node = torch.fx.Node
+SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
+MATMUL = {operator.matmul, torch.matmul, torch.Tensor.matmul}
+MUL = {operator.mul, torch.mul, torch.Tensor.mul}
+DIV = {operator.truediv, torch.div, torch.Tensor.div}
+ADD = {operator.add, torch.add, torch.Tensor.add}
+CAST_METHODS = {"float", "half", "bfloat16", "to", "type_as", "type"}
+DROPOUT = {F.dropout, torch.dropout}
+
+
+@dataclass
+class Match:
+    q: Node
+    k: Node
+    v: Node
+    out: Node  # the node whose uses become the attention output
+    scale: float = 1.0
+    mask: Optional[Node] = None  # additive mask, or bool mask (True = attend) once `mask_kind` is applied
+    mask_kind: str = "none"  # none | additive | keep_where_true | drop_where_true
+    gqa: bool = False
+    notes: List[str] = field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------------------------------
+# Small matchers over torch-IR nodes
+# -------------------------------------------------------------------------------------------------------
+def _is(node, targets, method=None) -> bool:
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function" and node.target in targets:
+        return True
+    return method is not None and node.op == "call_method" and node.target == method
+
+
+def _arg(node: Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _val(node):
+    return node.meta.get("example_value") if isinstance(node, Node) else node
+
+
+def _rank(node) -> int:
+    value = _val(node)
+    return value.dim() if isinstance(value, torch.Tensor) else -1
+
+
+def _single_user(node: Node) -> Optional[Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def strip_casts(node: Node) -> Node:
+    """x.float(), x.to(dtype), x.type_as(y): value-preserving for attention probabilities/scores."""
+    while node.op == "call_method" and node.target in CAST_METHODS:
+        node = node.args[0]
+    return node
+
+
+def scalar_factor(node: Node) -> Tuple[Node, float]:
+    """x * c, c * x, x / c (c a Python number) → (x, c or 1/c); anything else → (node, 1)."""
+    if _is(node, MUL, "mul"):
+        a, b = node.args[0], node.args[1]
+        if isinstance(b, numbers.Number):
+            return a, float(b)
+        if isinstance(a, numbers.Number):
+            return b, float(a)
+    if _is(node, DIV, "div") and isinstance(node.args[1], numbers.Number) and not node.kwargs.get("rounding_mode"):
+        return node.args[0], 1.0 / float(node.args[1])
+    return node, 1.0
+
+
+def peel_scales(node: Node) -> Tuple[Node, float]:
+    scale = 1.0
+    while True:
+        inner, factor = scalar_factor(node)
+        if inner is node:
+            return node, scale
+        node, scale = inner, scale * factor
+
+
+def transposed_last_two(node: Node) -> Optional[Node]:
+    """k.transpose(-1, -2) / transpose(2, 3) / permute(0, 1, 3, 2) / k.mT → k."""
+    if _is(node, {torch.transpose}, "transpose"):
+        dims = {_arg(node, 1, "dim0") % 4, _arg(node, 2, "dim1") % 4} if _rank(node) == 4 else set()
+        return node.args[0] if dims == {2, 3} else None
+    if _is(node, {torch.permute}, "permute"):
+        dims = node.args[1:] if len(node.args) > 2 else node.args[1]
+        return node.args[0] if tuple(d % 4 for d in dims) == (0, 1, 3, 2) else None
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    return None
+
+
+def unrepeat_kv(node: Node) -> Tuple[Node, bool]:
+    """repeat_kv: x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h·n_rep, s, d), or
+    x.repeat_interleave(n_rep, dim=1) → (x, True): grouped heads, no copy."""
+    if _is(node, {torch.repeat_interleave}, "repeat_interleave") and _arg(node, 2, "dim") in (1, -3):
+        return node.args[0], True
+    if _is(node, {torch.reshape}, "reshape") or _is(node, set(), "view"):
+        expanded = node.args[0]
+        if _is(expanded, set(), "expand") and _rank(expanded) == 5:
+            unsqueezed = expanded.args[0]
+            if unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem:
+                index = unsqueezed.args[1]
+                if isinstance(index, tuple) and len(index) >= 3 and index[2] is None:
+                    return unsqueezed.args[0], True
+            if _is(unsqueezed, {torch.unsqueeze}, "unsqueeze") and _arg(unsqueezed, 1, "dim") == 2:
+                return unsqueezed.args[0], True
+    return node, False
+
+
+def peel_mask(node: Node, match: Match) -> Node:
+    """scores + mask | scores.masked_fill(mask, −inf or finfo.min) | where(mask, scores, −inf) → scores."""
+    if _is(node, ADD, "add") and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args):
+        a, b = node.args
+        scores, mask = (a, b) if _is_scores_like(a) else (b, a)
+        match.mask, match.mask_kind = mask, "additive"
+        return scores
+    if _is(node, {torch.masked_fill}, "masked_fill") and _is_minus_infinity(_arg(node, 2, "value")):
+        match.mask, match.mask_kind = _arg(node, 1, "mask"), "drop_where_true"
+        return node.args[0]
+    if _is(node, {torch.where}) and len(node.args) == 3 and _is_minus_infinity(node.args[2]):
+        match.mask, match.mask_kind = node.args[0], "keep_where_true"
+        return node.args[1]
+    return node
+
+
+def _is_scores_like(node) -> bool:
+    return isinstance(node, Node) and (_is(node, MATMUL, "matmul") or _is(node, MUL, "mul")
+                                       or _is(node, DIV, "div") or _is(node, {torch.einsum}))
+
+
+def _is_minus_infinity(value) -> bool:
+    return isinstance(value, numbers.Number) and (value == -math.inf or value <= torch.finfo(torch.float16).min)
+
+
+def scores_product(node: Node) -> Optional[Tuple[Node, Node]]:
+    """matmul(q, kᵀ) or einsum('...id,...jd->...ij', q, k) → (q, k) with the scales still attached."""
+    if _is(node, MATMUL, "matmul"):
+        k = transposed_last_two(node.args[1])
+        return (node.args[0], k) if k is not None else None
+    if _is(node, {torch.einsum}) and len(node.args) == 3:
+        lhs, rhs = node.args[0].replace(" ", "").split("->")
+        a, b = lhs.split(",")
+        if len(a) == len(b) == len(rhs) == 4 and a[:2] == b[:2] == rhs[:2] and a[3] == b[3] \
+                and rhs[2:] == a[2] + b[2]:
+            return node.args[1], node.args[2]
+    return None
+
+
+def value_product(probs: Node) -> Optional[Tuple[Node, Node]]:
+    """The one user of the probabilities: probs @ v or einsum('...ij,...jd->...id', probs, v)."""
+    user = _single_user(probs)
+    if user is None:
+        return None
+    if _is(user, MATMUL, "matmul") and user.args[0] is probs:
+        return user.args[1], user
+    if _is(user, {torch.einsum}) and len(user.args) == 3 and user.args[1] is probs:
+        lhs, rhs = user.args[0].replace(" ", "").split("->")
+        a, b = lhs.split(",")
+        if len(a) == len(b) == len(rhs) == 4 and a[3] == b[2] and rhs == a[:3] + b[3]:
+            return user.args[2], user
+    return None
+
+
+def after_softmax(node: Node) -> Node:
+    """softmax → [cast back] → [dropout with p=0 or training=False] → the node V multiplies."""
+    while True:
+        user = _single_user(node)
+        if user is None:
+            return node
+        if user.op == "call_method" and user.target in CAST_METHODS:
+            node = user
+            continue
+        if _is(user, DROPOUT) and (_arg(user, 1, "p", 0.5) == 0 or _arg(user, 2, "training", True) is False):
+            node = user
+            continue
+        return node
+
+
+# -------------------------------------------------------------------------------------------------------
+# The pass
+# -------------------------------------------------------------------------------------------------------
+def match_at(softmax: Node) -> Optional[Match]:
+    dim = _arg(softmax, 1, "dim")
+    if _rank(softmax) != 4 or dim not in (-1, 3):
+        return None
+    probs = after_softmax(softmax)
+    product = value_product(probs)
+    if product is None:
+        return None
+    v, out = product
+    match = Match(q=None, k=None, v=v, out=out)
+    scores = strip_casts(softmax.args[0])
+    scores, post_scale = peel_scales(scores)
+    scores = strip_casts(peel_mask(strip_casts(scores), match))
+    scores, pre_scale = peel_scales(scores)
+    qk = scores_product(scores)
+    if qk is None:
+        return None
+    q, q_scale = peel_scales(qk[0])
+    k, k_scale = peel_scales(qk[1])
+    k, gqa_k = unrepeat_kv(k)
+    match.v, gqa_v = unrepeat_kv(v)
+    if gqa_k != gqa_v:
+        return None
+    if match.mask_kind == "additive" and post_scale != 1.0:
+        return None  # (s + mask)·c scales the mask too: not SDPA's meaning
+    match.q, match.k, match.gqa = q, k, gqa_k
+    match.scale = post_scale * pre_scale * q_scale * k_scale
+    return match if all(_rank(t) == 4 for t in (match.q, match.k, match.v)) else None
+
+
+def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
+    seen: dict = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is(node, SOFTMAX, "softmax"):
+            continue
+        match = match_at(node)
+        if match is None:
+            continue
+        mask_value = _val(match.mask) if match.mask is not None else None
+        call = AttentionCall(_val(match.q), _val(match.k), _val(match.v), attn_mask=mask_value,
+                             scale=match.scale, enable_gqa=match.gqa)
+        if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled()):
+            continue
+        _replace(gm.graph, match, config)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _replace(graph: torch.fx.Graph, match: Match, config: SageConfig) -> None:
+    with graph.inserting_before(match.out):
+        mask = match.mask
+        if match.mask_kind == "drop_where_true":
+            mask = graph.call_function(torch.logical_not, (mask,))
+        new = graph.call_function(
+            torch.ops.sage.attention.default, (match.q, match.k, match.v),
+            dict(attn_mask=mask, scale=match.scale, causal=0, enable_gqa=match.gqa, **config.op_kwargs()),
+        )
+    new.meta.update(match.out.meta)
+    match.out.replace_all_uses_with(new)
