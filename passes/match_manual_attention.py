@@ -38,6 +38,7 @@ class Match:
     v: Node
     out: Node  # the node whose uses become the attention output
     scale: float = 1.0
+    symbolic_scales: List[Tuple[Node, int]] = field(default_factory=list)  # (SymFloat node, ±1 power)
     mask: Optional[Node] = None  # additive mask, or bool mask (True = attend) once `mask_kind` is applied
     mask_kind: str = "none"  # none | additive | keep_where_true | drop_where_true
     gqa: bool = False
@@ -81,26 +82,35 @@ def strip_casts(node: Node) -> Node:
     return node
 
 
-def scalar_factor(node: Node) -> Tuple[Node, float]:
-    """x * c, c * x, x / c (c a Python number) → (x, c or 1/c); anything else → (node, 1)."""
+def _is_scalar(arg) -> bool:
+    """A Python number, or a graph value that is one (dynamic=True turns float constants into SymFloats)."""
+    return isinstance(arg, numbers.Number) or (isinstance(arg, Node) and isinstance(_val(arg), (torch.SymFloat, float)))
+
+
+def scalar_factor(node: Node):
+    """x * c, c * x, x / c (c a scalar) → (x, c, ±1); anything else → (node, None, 0)."""
     if _is(node, MUL, "mul"):
         a, b = node.args[0], node.args[1]
-        if isinstance(b, numbers.Number):
-            return a, float(b)
-        if isinstance(a, numbers.Number):
-            return b, float(a)
-    if _is(node, DIV, "div") and isinstance(node.args[1], numbers.Number) and not node.kwargs.get("rounding_mode"):
-        return node.args[0], 1.0 / float(node.args[1])
-    return node, 1.0
+        if _is_scalar(b):
+            return a, b, 1
+        if _is_scalar(a):
+            return b, a, 1
+    if _is(node, DIV, "div") and _is_scalar(node.args[1]) and not node.kwargs.get("rounding_mode"):
+        return node.args[0], node.args[1], -1
+    return node, None, 0
 
 
-def peel_scales(node: Node) -> Tuple[Node, float]:
-    scale = 1.0
+def peel_scales(node: Node, match: "Match") -> Node:
+    """Strip scalar multiplications/divisions, folding them into match.scale (or its symbolic factors)."""
     while True:
-        inner, factor = scalar_factor(node)
-        if inner is node:
-            return node, scale
-        node, scale = inner, scale * factor
+        inner, factor, power = scalar_factor(node)
+        if factor is None:
+            return node
+        if isinstance(factor, Node):
+            match.symbolic_scales.append((factor, power))
+        else:
+            match.scale *= float(factor) ** power
+        node = inner
 
 
 def transposed_last_two(node: Node) -> Optional[Node]:
@@ -216,23 +226,20 @@ def match_at(softmax: Node) -> Optional[Match]:
         return None
     v, out = product
     match = Match(q=None, k=None, v=v, out=out)
-    scores = strip_casts(softmax.args[0])
-    scores, post_scale = peel_scales(scores)
+    scores = peel_scales(strip_casts(softmax.args[0]), match)
+    scaled_after_mask = match.scale != 1.0 or bool(match.symbolic_scales)
     scores = strip_casts(peel_mask(strip_casts(scores), match))
-    scores, pre_scale = peel_scales(scores)
-    qk = scores_product(scores)
+    if match.mask_kind == "additive" and scaled_after_mask:
+        return None  # (s + mask)·c scales the mask too: not SDPA's meaning
+    qk = scores_product(peel_scales(scores, match))
     if qk is None:
         return None
-    q, q_scale = peel_scales(qk[0])
-    k, k_scale = peel_scales(qk[1])
-    k, gqa_k = unrepeat_kv(k)
+    q = peel_scales(qk[0], match)
+    k, gqa_k = unrepeat_kv(peel_scales(qk[1], match))
     match.v, gqa_v = unrepeat_kv(v)
     if gqa_k != gqa_v:
         return None
-    if match.mask_kind == "additive" and post_scale != 1.0:
-        return None  # (s + mask)·c scales the mask too: not SDPA's meaning
     match.q, match.k, match.gqa = q, k, gqa_k
-    match.scale = post_scale * pre_scale * q_scale * k_scale
     return match if all(_rank(t) == 4 for t in (match.q, match.k, match.v)) else None
 
 
@@ -246,8 +253,11 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
         if match is None:
             continue
         mask_value = _val(match.mask) if match.mask is not None else None
+        scale = match.scale
+        for factor, power in match.symbolic_scales:
+            scale = scale * _val(factor) ** power
         call = AttentionCall(_val(match.q), _val(match.k), _val(match.v), attn_mask=mask_value,
-                             scale=match.scale, enable_gqa=match.gqa)
+                             scale=scale, enable_gqa=match.gqa)
         if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled()):
             continue
         _replace(gm.graph, match, config)
@@ -264,9 +274,12 @@ def _replace(graph: torch.fx.Graph, match: Match, config: SageConfig) -> None:
         mask = match.mask
         if match.mask_kind == "drop_where_true":
             mask = graph.call_function(torch.logical_not, (mask,))
+        scale = match.scale
+        for factor, power in match.symbolic_scales:  # scale = c · Π sᵢ^±1, as graph arithmetic on SymFloats
+            scale = graph.call_function(operator.mul if power > 0 else operator.truediv, (scale, factor))
         new = graph.call_function(
             torch.ops.sage.attention.default, (match.q, match.k, match.v),
-            dict(attn_mask=mask, scale=match.scale, causal=0, enable_gqa=match.gqa, **config.op_kwargs()),
+            dict(attn_mask=mask, scale=scale, causal=0, enable_gqa=match.gqa, **config.op_kwargs()),
         )
     new.meta.update(match.out.meta)
     match.out.replace_all_uses_with(new)

@@ -164,8 +164,12 @@ def test_inductor_generated_code_calls_the_quantized_op():
     assert cosine(out, ref) > 0.995
 
 
-def test_hand_written_attention_is_found_after_inductor_fuses_it():
-    """Stage 2: Inductor's fuse_attention turns softmax(QKᵀ)V into an SDPA variant; we replace that."""
+def test_hand_written_attention_is_found_after_inductor_fuses_it(monkeypatch):
+    """Stage 2: Inductor's fuse_attention turns softmax(QKᵀ)V into an SDPA variant; we replace that.
+    (Stage 1b would match this form first: switched off here to test stage 2 alone.)"""
+    import sage_compile.passes as passes
+
+    monkeypatch.setattr(passes, "STAGE1", (passes.rewrite_sdpa,))
 
     class Manual(nn.Module):
         def forward(self, q, k, v):
