@@ -140,6 +140,11 @@ def _mel_features(n):
     return (torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(n)).bfloat16(),), {}
 
 
+def _image(n):
+    """ViT's patch grid is fixed by image_size (16 patches + CLS here), whatever n is."""
+    return (torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(n)).bfloat16(),), {}
+
+
 def _zoo():
     T = transformers
     cases = {}
@@ -156,6 +161,9 @@ def _zoo():
             encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=64, vocab_size=100,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1), i).get_encoder(),
             _mel_features, 2)
+        cases[f"vit-{impl}"] = (lambda i=impl: _hf(T.ViTModel, T.ViTConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+            patch_size=8), i), _image, 2)
     for fused in (True, False):
         cases[f"timm-vit-fused{int(fused)}"] = (lambda f=fused: TimmViT(fused_attn=f).bfloat16().eval(), _hidden, 2)
     cases["dit-wan"] = (lambda: DiT().bfloat16().eval(), _hidden, 2)
