@@ -42,7 +42,7 @@ class Match:
     mask: Optional[Node] = None  # additive mask, or bool mask (True = attend) once `mask_kind` is applied
     mask_kind: str = "none"  # none | additive | keep_where_true | drop_where_true
     gqa: bool = False
-    notes: List[str] = field(default_factory=list)
+    rank: int = 4
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -114,13 +114,17 @@ def peel_scales(node: Node, match: "Match") -> Node:
 
 
 def transposed_last_two(node: Node) -> Optional[Node]:
-    """k.transpose(-1, -2) / transpose(2, 3) / permute(0, 1, 3, 2) / k.mT → k."""
+    """k.transpose(-1, -2) / transpose(2, 3) / permute(0, 1, 3, 2) / k.mT → k (rank 3 or 4)."""
+    rank = _rank(node)
+    if rank not in (3, 4):
+        return None
     if _is(node, {torch.transpose}, "transpose"):
-        dims = {_arg(node, 1, "dim0") % 4, _arg(node, 2, "dim1") % 4} if _rank(node) == 4 else set()
-        return node.args[0] if dims == {2, 3} else None
+        dims = {_arg(node, 1, "dim0") % rank, _arg(node, 2, "dim1") % rank}
+        return node.args[0] if dims == {rank - 2, rank - 1} else None
     if _is(node, {torch.permute}, "permute"):
         dims = node.args[1:] if len(node.args) > 2 else node.args[1]
-        return node.args[0] if tuple(d % 4 for d in dims) == (0, 1, 3, 2) else None
+        swapped = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+        return node.args[0] if tuple(d % rank for d in dims) == swapped else None
     if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
         return node.args[0]
     return None
@@ -129,6 +133,8 @@ def transposed_last_two(node: Node) -> Optional[Node]:
 def unrepeat_kv(node: Node) -> Tuple[Node, bool]:
     """repeat_kv: x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h·n_rep, s, d), or
     x.repeat_interleave(n_rep, dim=1) → (x, True): grouped heads, no copy."""
+    if _rank(node) != 4:
+        return node, False
     if _is(node, {torch.repeat_interleave}, "repeat_interleave") and _arg(node, 2, "dim") in (1, -3):
         return node.args[0], True
     if _is(node, {torch.reshape}, "reshape") or _is(node, set(), "view"):
@@ -169,11 +175,24 @@ def _is_minus_infinity(value) -> bool:
     return isinstance(value, numbers.Number) and (value == -math.inf or value <= torch.finfo(torch.float16).min)
 
 
-def scores_product(node: Node) -> Optional[Tuple[Node, Node]]:
-    """matmul(q, kᵀ) or einsum('...id,...jd->...ij', q, k) → (q, k) with the scales still attached."""
-    if _is(node, MATMUL, "matmul"):
+def scores_product(node: Node, match: "Match") -> Optional[Tuple[Node, Node]]:
+    """matmul/bmm(q, kᵀ), baddbmm(bias, q, kᵀ, beta, alpha) (diffusers' legacy processors) or
+    einsum('...id,...jd->...ij', q, k) → (q, k) with the scales still attached."""
+    if _is(node, MATMUL | {torch.bmm}, "matmul"):
         k = transposed_last_two(node.args[1])
         return (node.args[0], k) if k is not None else None
+    if _is(node, {torch.baddbmm}) and len(node.args) == 3:
+        k = transposed_last_two(node.args[2])
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if k is None or beta not in (0, 1) or not _is_scalar(alpha) or (beta == 1 and match.mask is not None):
+            return None
+        if beta == 1:  # baddbmm(mask, q, kᵀ): the mask is added to the scores
+            match.mask, match.mask_kind = node.args[0], "additive"
+        if isinstance(alpha, Node):
+            match.symbolic_scales.append((alpha, 1))
+        else:
+            match.scale *= float(alpha)
+        return node.args[1], k
     if _is(node, {torch.einsum}) and len(node.args) == 3:
         lhs, rhs = node.args[0].replace(" ", "").split("->")
         a, b = lhs.split(",")
@@ -188,7 +207,7 @@ def value_product(probs: Node) -> Optional[Tuple[Node, Node]]:
     user = _single_user(probs)
     if user is None:
         return None
-    if _is(user, MATMUL, "matmul") and user.args[0] is probs:
+    if _is(user, MATMUL | {torch.bmm}, "matmul") and user.args[0] is probs:
         return user.args[1], user
     if _is(user, {torch.einsum}) and len(user.args) == 3 and user.args[1] is probs:
         lhs, rhs = user.args[0].replace(" ", "").split("->")
@@ -217,21 +236,21 @@ def after_softmax(node: Node) -> Node:
 # The pass
 # -------------------------------------------------------------------------------------------------------
 def match_at(softmax: Node) -> Optional[Match]:
-    dim = _arg(softmax, 1, "dim")
-    if _rank(softmax) != 4 or dim not in (-1, 3):
+    rank, dim = _rank(softmax), _arg(softmax, 1, "dim")
+    if rank not in (3, 4) or dim not in (-1, rank - 1):  # rank 3: heads folded into the batch
         return None
     probs = after_softmax(softmax)
     product = value_product(probs)
     if product is None:
         return None
     v, out = product
-    match = Match(q=None, k=None, v=v, out=out)
+    match = Match(q=None, k=None, v=v, out=out, rank=rank)
     scores = peel_scales(strip_casts(softmax.args[0]), match)
     scaled_after_mask = match.scale != 1.0 or bool(match.symbolic_scales)
     scores = strip_casts(peel_mask(strip_casts(scores), match))
     if match.mask_kind == "additive" and scaled_after_mask:
         return None  # (s + mask)·c scales the mask too: not SDPA's meaning
-    qk = scores_product(peel_scales(scores, match))
+    qk = scores_product(peel_scales(scores, match), match)
     if qk is None:
         return None
     q = peel_scales(qk[0], match)
@@ -240,7 +259,7 @@ def match_at(softmax: Node) -> Optional[Match]:
     if gqa_k != gqa_v:
         return None
     match.q, match.k, match.gqa = q, k, gqa_k
-    return match if all(_rank(t) == 4 for t in (match.q, match.k, match.v)) else None
+    return match if all(_rank(t) == rank for t in (match.q, match.k, match.v)) else None
 
 
 def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
@@ -252,12 +271,12 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
         match = match_at(node)
         if match is None:
             continue
-        mask_value = _val(match.mask) if match.mask is not None else None
         scale = match.scale
         for factor, power in match.symbolic_scales:
             scale = scale * _val(factor) ** power
-        call = AttentionCall(_val(match.q), _val(match.k), _val(match.v), attn_mask=mask_value,
-                             scale=scale, enable_gqa=match.gqa)
+        q, k, v, mask = (_as_4d(_val(t), match) if t is not None else None
+                         for t in (match.q, match.k, match.v, match.mask))
+        call = AttentionCall(q, k, v, attn_mask=mask, scale=scale, enable_gqa=match.gqa)
         if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled()):
             continue
         _replace(gm.graph, match, config)
@@ -269,17 +288,29 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
     return gm
 
 
+def _as_4d(x, match: Match):
+    """Rank-3 attention ([B·H, N, D], heads folded into the batch) is one batch of B·H heads."""
+    return x.unsqueeze(0) if match.rank == 3 and x.dim() == 3 else x
+
+
 def _replace(graph: torch.fx.Graph, match: Match, config: SageConfig) -> None:
     with graph.inserting_before(match.out):
         mask = match.mask
         if match.mask_kind == "drop_where_true":
             mask = graph.call_function(torch.logical_not, (mask,))
+        q, k, v = match.q, match.k, match.v
+        if match.rank == 3:
+            q, k, v = (graph.call_method("unsqueeze", (t, 0)) for t in (q, k, v))
+            if mask is not None and _rank(match.mask) == 3:
+                mask = graph.call_method("unsqueeze", (mask, 0))
         scale = match.scale
         for factor, power in match.symbolic_scales:  # scale = c · Π sᵢ^±1, as graph arithmetic on SymFloats
             scale = graph.call_function(operator.mul if power > 0 else operator.truediv, (scale, factor))
         new = graph.call_function(
-            torch.ops.sage.attention.default, (match.q, match.k, match.v),
+            torch.ops.sage.attention.default, (q, k, v),
             dict(attn_mask=mask, scale=scale, causal=0, enable_gqa=match.gqa, **config.op_kwargs()),
         )
+        if match.rank == 3:
+            new = graph.call_method("squeeze", (new, 0))
     new.meta.update(match.out.meta)
     match.out.replace_all_uses_with(new)

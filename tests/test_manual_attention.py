@@ -75,12 +75,20 @@ def repeat_interleave_gqa(q, k, v):
     return (q @ k.transpose(-1, -2) * SCALE).softmax(-1) @ v
 
 
+def diffusers_legacy_baddbmm(q, k, v):
+    """diffusers' AttnProcessor: heads folded into the batch, baddbmm with beta=0, bmm with V."""
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+    empty = torch.empty(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype, device=q.device)
+    scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=SCALE)
+    return torch.bmm(scores.softmax(dim=-1), v).unflatten(0, (B, -1))
+
+
 def _exact(fn, q, k, v, *extra):
     return fn(q.float(), k.float(), v.float(), *(e.float() if e.is_floating_point() else e for e in extra))
 
 
 FORMS = [plain, divided, scaled_q, fp32_softmax, float_cast_softmax, causal_masked_fill, causal_where_finfo_min,
-         einsum_form]
+         einsum_form, diffusers_legacy_baddbmm]
 GQA_FORMS = [repeat_interleave_gqa]
 
 
@@ -139,3 +147,18 @@ def test_explain_reports_manual_sites():
     explanation = sage_compile.explain(Model(), q, k, v)
     assert [s.source for s in explanation.sites] == ["manual", "manual"]
     assert all(s.replaced for s in explanation.sites)
+
+
+def test_diffusers_legacy_baddbmm_with_a_padding_mask():
+    """beta=1: the mask ([B·H, 1, Nk], 0 / −10000 as diffusers prepares it) rides in baddbmm's input."""
+    def legacy(q, k, v, mask):
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        scores = torch.baddbmm(mask, q, k.transpose(-1, -2), beta=1, alpha=SCALE)
+        return torch.bmm(scores.softmax(dim=-1), v)
+
+    q, k, v = random_qkv(B, H, H, N, N, D, seed=5)
+    mask = torch.zeros(B * H, 1, N, dtype=torch.bfloat16)
+    mask[H:, :, 20:] = -10000.0
+    out, nodes = _compile_and_capture(legacy, q, k, v, mask)
+    assert sum(n.target == torch.ops.sage.attention.default for n in nodes) == 1
+    assert cosine(out, _exact(legacy, q, k, v, mask)) > 0.995
