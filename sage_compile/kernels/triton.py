@@ -6,10 +6,15 @@ blocks are masked), in the order and with the block boundaries of ``spec.quantiz
 (blocks start at multiples of BLOCK_N, so the oracle with ``block_n=config.block_n`` is the same function):
 
     S  = (q̂·k̂ᵀ int32 → fp32) · δQ[row] · δK[col] (+ ΔS[row // q_group, col])   (base-2 score units)
+    S  = S + mask[row, col] (fp32 attn_mask) or −inf where mask is False (bool); then causal, kv_lens
     m' = max(m, rowmax S);  P̃ = exp2(S − m'_safe);  α = exp2(m − m'_safe);  l = l·α + ΣP̃
     acc = P̂·V̂ (P̂ = e4m3(P̃·448) or fp16; fp32 accumulator started from zero, one key block only)
     O32 = O32·α + acc                                          (two-level accumulation, true fp32)
     out = O32 · (1/(448·l)) · δV (+ μV);   lse = (m + log2 l) / log2 e
+
+With an ``attn_mask`` ([B|1, Hq|1, Nq, Nk], any strides; broadcast batch/head read with stride 0) every
+key block takes the masked path and loads its [BLOCK_M, BLOCK_N] mask tile; HAS_MASK is a constexpr, so the
+unmasked kernel compiles to the same instructions as without the feature.
 
 V̂ is stored transposed ([B, Hkv, Dp, Nk_pad16]) so the PV dot gets a K-major B operand (what the FP8
 tensor-core instructions want). GQA maps query head h to key head h // (Hq // Hkv); nothing is copied.

@@ -15,7 +15,9 @@ block boundaries). The kernel and the oracle compute the same function except fo
 Together ~1e-4 relative; we allow relative L1 ≤ 2e-3 and cosine ≥ 0.99999 (≈ relative L2 ≤ 4.5e-3),
 an order of magnitude of headroom, yet ~20× below the quantization error itself (relL1 ~0.04 vs SDPA),
 so any real bug (a wrong mask, scale, block or head) fails loudly. LSE: |Δ| ≤ 1e-4 + 1e-5·|lse|.
+An ``attn_mask`` (bool, or fp32 added to S) changes none of this: the oracle applies it at the same point.
 """
+import dataclasses
 import json
 import math
 import os
@@ -43,9 +45,53 @@ REL_L1_MAX = 2e-3
 COS_MIN = 0.99999
 
 
+MASK_KINDS = (None, "bool[B,1]", "bool[1,1]", "fp32[B,Hq]", "bool[1,1]-expanded", "fp32[B,1]-expanded",
+              "fp32[1,Hq]-transposed", "bool[1,1,1,Nk]-expanded", "sdpa-2d-additive")
+
+
+def random_mask(kind, batch, hq, n_q, n_k, seed):
+    """A kernel-contract attn_mask [B|1, Hq|1, Nq, Nk] of the given kind, or None: bool ~30% False, or
+    fp32 (base-2 units) with random finite values and ~10% -inf; "-expanded" kinds are stride-0 views of
+    the full [B, Hq, Nq, Nk] (batch/head, and for [1,1,1,Nk] the query rows too); "-transposed" is stored
+    [.., Nk, Nq] (last-dim stride Nq); "sdpa-2d-additive" is an SDPA mask [Nq, Nk] through the op's own
+    spec.broadcast_mask + spec.kernel_mask."""
+    if kind is None:
+        return None
+    g = torch.Generator(device=DEV).manual_seed(seed + 7)
+
+    def bools(shape):
+        return torch.rand(shape, device=DEV, generator=g) >= 0.3
+
+    def floats(shape):
+        m = torch.randn(shape, device=DEV, generator=g) * 4
+        return m.masked_fill(torch.rand(shape, device=DEV, generator=g) < 0.1, -math.inf)
+
+    full = (batch, hq, n_q, n_k)
+    if kind == "bool[B,1]":
+        return bools((batch, 1, n_q, n_k))
+    if kind == "bool[1,1]":
+        return bools((1, 1, n_q, n_k))
+    if kind == "fp32[B,Hq]":
+        return floats(full)
+    if kind == "bool[1,1]-expanded":
+        return bools((1, 1, n_q, n_k)).expand(full)
+    if kind == "fp32[B,1]-expanded":
+        return floats((batch, 1, n_q, n_k)).expand(full)
+    if kind == "fp32[1,Hq]-transposed":
+        return floats((1, hq, n_k, n_q)).transpose(-1, -2)
+    if kind == "bool[1,1,1,Nk]-expanded":  # a key-padding mask: stride 0 on batch, heads and query rows
+        return bools((1, 1, 1, n_k)).expand(full)
+    if kind == "sdpa-2d-additive":
+        sdpa = floats((n_q, n_k)).to(torch.bfloat16)
+        shaped = torch.empty(batch, hq, n_q, 1, device=DEV), torch.empty(batch, hq, n_k, 1, device=DEV)
+        return spec.kernel_mask(spec.broadcast_mask(sdpa, *shaped))
+    raise ValueError(kind)
+
+
 def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, smooth_v=False, q_block=128,
-              kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0):
-    """Prepared inputs from random bf16 q/k/v (never zeros), via spec.prepare, on the GPU."""
+              kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0, mask=None):
+    """Prepared inputs from random bf16 q/k/v (never zeros), via spec.prepare, on the GPU; ``mask`` is one
+    of MASK_KINDS."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(batch, hq, n_q, d, device=DEV, generator=g) * temperature
     k = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + k_bias * torch.randn(d, device=DEV, generator=g)
@@ -54,7 +100,7 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, s
     quant = spec.Quantization(pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block)
     p = spec.prepare(q, k, v, d ** -0.5, quant, kv_lens)
     return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-                      p.q_group, causal, d, out_dtype)
+                      p.q_group, causal, d, out_dtype, random_mask(mask, batch, hq, n_q, n_k, seed))
 
 
 def poisoned_outputs(args):
@@ -82,6 +128,11 @@ def assert_matches_oracle(args, config=None):
     cfg = config or tk.config_for(args)
     out, lse = run_kernel(args, cfg)
     torch.cuda.synchronize()
+    return assert_close_to_oracle(args, out, lse, cfg)
+
+
+def assert_close_to_oracle(args, out, lse, cfg):
+    """The kernel's (out, lse) for ``args`` under ``cfg`` against the oracle, within the tolerance above."""
     ref, ref_lse = oracle(args, cfg.block_n)
     assert not torch.isnan(out).any(), "kernel left output elements unwritten (NaN poison survived)"
     assert not torch.isnan(lse).any(), "kernel left lse elements unwritten (NaN poison survived)"
@@ -117,6 +168,7 @@ def cases(draw, pv, causal):
         causal=causal, pv=pv, smooth_q=smooth_q, smooth_v=draw(st.booleans()),
         q_block=draw(st.sampled_from([128, 256, 48])) if smooth_q else 128,  # 48: ΔS group < BLOCK_M
         kv_lens=kv_lens, seed=draw(st.integers(0, 2**16)), temperature=draw(st.sampled_from([0.5, 1.0, 3.0])),
+        mask=draw(st.sampled_from(MASK_KINDS)),
     )
 
 
@@ -126,6 +178,54 @@ def cases(draw, pv, causal):
 @given(data=st.data())
 def test_matches_oracle(pv, causal, data):
     assert_matches_oracle(make_case(**data.draw(cases(pv, causal))))
+
+
+@pytest.mark.parametrize("mask", MASK_KINDS[1:])
+@pytest.mark.parametrize("pv", PVS)
+def test_every_mask_kind(mask, pv):
+    """Each mask kind once, whatever the property test draws, with ΔS, kv_lens and bottom-right causal."""
+    kv_lens = torch.tensor([150, 120], dtype=torch.int32, device=DEV)
+    args = make_case(2, 4, 2, 70, 150, 64, causal=2, pv=pv, smooth_q=True, smooth_v=True, q_block=32,
+                     kv_lens=kv_lens, seed=11, mask=mask)
+    out, _ = assert_matches_oracle(args)
+    assert not torch.equal(out, run_kernel(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
+
+
+@pytest.mark.parametrize("mask", ["bool[B,1]", "fp32[B,Hq]"])
+@pytest.mark.parametrize("d,config", [(128, c) for c in ("64,128,4,3,tma", "64,64,4,3", "128,128,8,3",
+                                                         "64,128,4,3,plain")] + [(256, "64,64,4,2")])
+def test_masked_configs(d, config, mask):
+    """Masks with several launch configs (fitted to shared memory the way config_for fits its own)."""
+    kv_lens = torch.tensor([190, 7], device=DEV, dtype=torch.int32)
+    args = make_case(2, 4, 1, 257, 200, d, causal=1, pv=PVS[0], smooth_q=True, smooth_v=True, q_block=48,
+                     kv_lens=kv_lens, seed=3, mask=mask)
+    assert_matches_oracle(args, tk._fit_shared_memory(tk.Config.parse(config), args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype, causal):
+    """Rows the mask closes entirely get out 0 (no μV) and lse -inf, as in the spec; rows closed only in
+    their first key block (m stays -inf across it) and open rows match the oracle as usual."""
+    batch, hq, n_q, n_k = 2, 4, 150, 300
+    args = make_case(batch, hq, 2, n_q, n_k, 64, causal=causal, pv=PVS[0], smooth_v=True, seed=13)
+    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool, device=DEV)
+    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool, device=DEV)
+    closed[0, 1, :] = True  # a whole (batch, head)
+    closed[1, :, 5] = True  # one query row in every head
+    closed[1, 3, 64:] = True  # whole query blocks of the kernel
+    allowed[closed] = False
+    allowed[0, 2, 130:140, :128] = False  # closed in the first key block(s) only (open keys ≤ row: causal too)
+    allowed[0, 3, 100:, :] = False  # closed except one key, visible under causal too
+    allowed[0, 3, 100:, 50] = True
+    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape, device=DEV).masked_fill(~allowed, -math.inf)
+    args = dataclasses.replace(args, attn_mask=mask)
+    out, lse = assert_matches_oracle(args)
+    assert torch.equal(torch.isneginf(lse), closed)
+    assert (out.float()[closed] == 0).all() and out.float()[~closed].isfinite().all()
+    all_closed = dataclasses.replace(args, attn_mask=torch.zeros_like(allowed))
+    out, lse = run_kernel(all_closed)
+    assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 @pytest.mark.parametrize("d", [16, 32, 160, 256])  # padded 32, 32, 256, 256
@@ -204,6 +304,45 @@ def test_cuda_graph_capture_and_replay_equals_eager():
     assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
 
 
+def test_cuda_graph_replay_with_mask_equals_oracle():
+    """With an attn_mask (a stride-0 broadcast view) the captured launch reads the mask's memory at
+    replay: the output equals the oracle, and follows new mask values written in place."""
+    kv_lens = torch.tensor([700, 333], dtype=torch.int32, device=DEV)
+    args = make_case(2, 8, 2, 300, 700, 128, causal=2, pv=PVS[0], smooth_q=True, smooth_v=True, seed=21,
+                     kv_lens=kv_lens, mask="fp32[B,1]-expanded")
+    cfg = tk.config_for(args)
+    eager_out, eager_lse = run_kernel(args)  # compiles outside the capture
+    out, lse = poisoned_outputs(args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk.run(args, out, lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.run(args, out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    assert_close_to_oracle(args, out, lse, cfg)
+    # New mask values in the same memory (the view's base), some rows now fully masked.
+    base = args.attn_mask._base if args.attn_mask._base is not None else args.attn_mask
+    fresh = random_mask("fp32[B,1]-expanded", 2, 8, 300, 700, seed=22)
+    fresh = (fresh._base if fresh._base is not None else fresh).clone()
+    fresh[0, :, 17] = -math.inf
+    base.copy_(fresh)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isneginf(lse[0, :, 17]).all()
+    assert_close_to_oracle(args, out, lse, cfg)
+    fresh_out, fresh_lse = run_kernel(args)
+    assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
+
+
 def test_supports_reasons():
     args = make_case(1, 1, 1, 8, 8, 64, pv=PVS[0])
     assert tk.supports(args) is None
@@ -211,6 +350,19 @@ def test_supports_reasons():
     assert "CUDA" in tk.supports(cpu)
     odd = KernelArgs(**{**vars(args), "q": args.q[..., :48].contiguous(), "k": args.k[..., :48].contiguous()})
     assert "head dim" in tk.supports(odd)
+    for mask in (torch.ones(1, 1, 8, 8, dtype=torch.bool, device=DEV), torch.zeros(1, 1, 8, 8, device=DEV),
+                 torch.zeros(1, 1, 1, 8, device=DEV).expand(1, 1, 8, 8)):
+        assert tk.supports(dataclasses.replace(args, attn_mask=mask)) is None
+    bad = [
+        ("bool or float32", torch.zeros(1, 1, 8, 8, dtype=torch.float16, device=DEV)),
+        ("bool or float32", torch.ones(1, 1, 8, 8, dtype=torch.uint8, device=DEV)),
+        ("4-D", torch.ones(8, 8, dtype=torch.bool, device=DEV)),
+        ("does not fit", torch.ones(1, 2, 8, 8, dtype=torch.bool, device=DEV)),
+        ("does not fit", torch.ones(1, 1, 8, 9, dtype=torch.bool, device=DEV)),
+        ("must be on", torch.ones(1, 1, 8, 8, dtype=torch.bool)),
+    ]
+    for reason, mask in bad:
+        assert reason in tk.supports(dataclasses.replace(args, attn_mask=mask)), (reason, mask.shape, mask.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
