@@ -95,3 +95,18 @@ def test_sage_attention_eager_on_gpu_matches_spec_and_sdpa():
     with pytest.raises(sage_compile.UnsupportedAttentionError):
         sage_compile.sage_attention(q, k, v, dropout_p=0.5, config=SageConfig(fallback="error"))
     assert spec.padded_head_dim(128) == 128
+
+
+def test_masked_attention_runs_in_the_triton_kernel():
+    """A key-padding mask (bool [B,1,1,Nk]) and an additive bias run on the GPU kernel, not SDPA."""
+    q, k, v = (torch.randn(2, 8, 600, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    lengths = torch.tensor([600, 250], device="cuda")
+    padding = torch.arange(600, device="cuda")[None, None, None, :] < lengths[:, None, None, None]
+    bias = torch.randn(600, 600, device="cuda", dtype=torch.bfloat16)
+    for mask in (padding, bias):
+        torch._dynamo.utils.counters.clear()
+        out = sage_compile.sage_attention(q, k, v, attn_mask=mask, config=ALWAYS)
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                               attn_mask=mask if mask.dtype == torch.bool else mask.float())
+        assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
+        assert _cos(out, exact) > 0.999

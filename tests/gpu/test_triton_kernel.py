@@ -111,6 +111,25 @@ def poisoned_outputs(args):
     return out, lse
 
 
+def captured_launch(args):
+    """Capture one launch into a CUDA graph (the launcher warmed on a side stream first), replay it once
+    into poisoned outputs; returns (graph, out, lse) for further replays."""
+    out, lse = poisoned_outputs(args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk.run(args, out, lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(math.nan)
+    lse.fill_(math.nan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.run(args, out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out, lse
+
+
 def run_kernel(args, config=None):
     out, lse = poisoned_outputs(args)
     tk.run(args, out, lse, config=config)
@@ -279,19 +298,7 @@ def test_no_keys():
 def test_cuda_graph_capture_and_replay_equals_eager():
     args = make_case(2, 8, 2, 500, 700, 128, causal=1, pv=PVS[0], smooth_v=True, seed=11)
     eager_out, eager_lse = run_kernel(args)  # also compiles outside the capture
-    out, lse = poisoned_outputs(args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk.run(args, out, lse)  # warm the launcher on the side stream as well
-    torch.cuda.current_stream().wait_stream(stream)
-    out.fill_(math.nan)
-    lse.fill_(math.nan)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.run(args, out, lse)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out, lse = captured_launch(args)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     # New values in the same buffers: the replay must follow them.
     fresh = make_case(2, 8, 2, 500, 700, 128, causal=1, pv=PVS[0], smooth_v=True, seed=12)
@@ -312,19 +319,7 @@ def test_cuda_graph_replay_with_mask_equals_oracle():
                      kv_lens=kv_lens, mask="fp32[B,1]-expanded")
     cfg = tk.config_for(args)
     eager_out, eager_lse = run_kernel(args)  # compiles outside the capture
-    out, lse = poisoned_outputs(args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk.run(args, out, lse)
-    torch.cuda.current_stream().wait_stream(stream)
-    out.fill_(math.nan)
-    lse.fill_(math.nan)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.run(args, out, lse)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out, lse = captured_launch(args)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert_close_to_oracle(args, out, lse, cfg)
     # New mask values in the same memory (the view's base), some rows now fully masked.
