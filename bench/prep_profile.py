@@ -1,0 +1,51 @@
+"""Where the fused prep's time goes: per-kernel CUDA times (torch.profiler) and Inductor's generated code for
+rope + spec.prepare at one shape, compiled statically. Writes $OUT/prep_kernels.txt and $OUT/prep_code.py.
+
+    python -m bench.prep_profile [--n 16384] [--d 128]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from bench.e2e_bench import make_inputs, prep_only
+from bench.kernel_bench import SHAPES, TOKENS
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--d", type=int, default=128)
+    opts = ap.parse_args(argv)
+    from torch._inductor.utils import run_and_get_code
+
+    out_dir = os.environ.get("OUT") or "/tmp"
+    heads, batch = SHAPES[opts.d], max(1, TOKENS // opts.n)
+    inputs = make_inputs(batch, opts.n, heads, opts.d, seed=0)
+    prep = torch.compile(prep_only, dynamic=False)
+    _, codes = run_and_get_code(prep, *inputs)
+    with open(os.path.join(out_dir, "prep_code.py"), "w") as f:
+        f.write("\n\n# ----- next graph -----\n\n".join(codes))
+    for _ in range(5):
+        prep(*inputs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            prep(*inputs)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    with open(os.path.join(out_dir, "prep_kernels.txt"), "w") as f:
+        f.write(f"{torch.cuda.get_device_name()} torch {torch.__version__} B={batch} N={opts.n} H={heads} "
+                f"D={opts.d} (20 calls)\n{table}\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
