@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from .kernels import KERNEL_MODULES, KernelArgs
 
@@ -50,13 +50,6 @@ def run(args: KernelArgs, out, lse) -> str:
         )
     module.run(args, out, lse)
     return module.NAME
-
-
-def kernel_name_for(args: KernelArgs) -> Optional[str]:
-    try:
-        return choose(args)[0].NAME
-    except RuntimeError:
-        return None
 
 
 @functools.lru_cache(maxsize=256)
