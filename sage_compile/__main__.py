@@ -66,13 +66,27 @@ def demo(args) -> int:
     return 0 if replaced == args.layers else 1
 
 
+BENCHES = {"kernel": "bench.kernel_bench", "e2e": "bench.e2e_bench", "prep": "bench.prep_profile",
+           "report": "bench.report"}
+
+
 def bench(args) -> int:
+    """bench [kernel|e2e|prep|report] [options]: the scripts in bench/ (GPU ones need CUDA)."""
+    import importlib
+
+    import torch
+
+    rest = list(args.rest)
+    which = rest.pop(0) if rest and rest[0] in BENCHES else "kernel"
+    if which != "report" and not torch.cuda.is_available():
+        print(f"bench {which}: needs a CUDA GPU (none visible); `bench report` renders existing results")
+        return 2
     try:
-        from bench import kernel_bench
+        module = importlib.import_module(BENCHES[which])
     except ImportError:
         print("bench/ is not importable: run `python -m sage_compile bench` from the repository root")
         return 2
-    return kernel_bench.main(args.rest)
+    return module.main(rest) if which != "report" else module.main()
 
 
 def main(argv=None) -> int:
@@ -82,7 +96,7 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--seq-len", type=int, default=256)
-    b = sub.add_parser("bench", help="kernel and end-to-end benchmarks (GPU)")
+    b = sub.add_parser("bench", help="bench [kernel|e2e|prep|report] ...: benchmarks (GPU) and the results page")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
