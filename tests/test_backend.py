@@ -201,3 +201,20 @@ def test_backend_by_name_without_importing_the_package():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'sites_replaced': 1" in result.stdout
+
+
+def test_decorator_forms():
+    @sage_compile.compile
+    def bare(q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+    @sage_compile.compile(config=SageConfig(pv="fp16"), options=FAST, dynamic=False)
+    def configured(q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q.float(), q.float(), q.float())
+        assert cosine(bare(q), ref) > 0.995 and cosine(configured(q), ref) > 0.995
+    assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 2
+
