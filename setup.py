@@ -21,7 +21,7 @@ ext_modules = [
 ]
 
 setup(
-    packages=["sage_compile", "sage_compile.kernels", "sage_compile.passes"],
+    packages=["sage_compile", "sage_compile.kernels", "sage_compile.integrations", "sage_compile.passes"],
     package_dir={"sage_compile": "sage_compile", "sage_compile.passes": "passes"},
     ext_modules=ext_modules,
 )

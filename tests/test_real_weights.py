@@ -50,3 +50,31 @@ def test_minilm_sentence_embeddings_with_sage_match_fp32(monkeypatch):
     # issue 6: ≥0.9997 min and ≥0.9998 mean; bf16 SDPA reaches 0.99990 / 0.99995 here, an independent
     # 8-bit emulation 0.99973 / 0.99981; measured with the CPU kernel: 0.99976 / 0.99982
     assert cos_sage.min() >= 0.9997 and cos_sage.mean() >= 0.9998, (cos_sage, cos_bf16)
+
+
+def test_transformers_integration_keeps_the_padding_mask(monkeypatch):
+    """attn_implementation="sage" through AttentionInterface (+ the mask function), eager, no compile."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    from sage_compile.integrations import transformers as sage_hf
+
+    path = _model_dir()
+    batch = AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt")
+    reference = _embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
+    masks_seen = []
+    forward = sage_hf.make_attention_forward()
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        masks_seen.append(attention_mask is not None)
+        return forward(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    name = sage_hf.register("sage_test")
+    AttentionInterface.register(name, spy)
+    model = AutoModel.from_pretrained(path, attn_implementation=name, dtype=torch.bfloat16).eval()
+    cos = (_embed(model, batch) * reference).sum(-1)
+    assert masks_seen and all(masks_seen)  # the mask function is registered: padding reaches the kernel
+    assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
+    assert cos.min() >= 0.9997 and cos.mean() >= 0.9998, cos

@@ -1,0 +1,1 @@
+"""Opt-in integrations with model libraries; nothing here runs on ``import sage_compile``."""
