@@ -49,6 +49,19 @@ def _e2e_table(e2e, title) -> list:
     return lines
 
 
+def _models_table(models) -> list:
+    lines = [f"## Whole models — {models['device']}, torch {models['torch']}, triton {models['triton']}", "",
+             f"bench/models.py, {models['layers']} layers each, random init, bf16; compile(backend=\"inductor\") vs "
+             "backend=\"sage\" with its default measured thresholds; cosine of the model output vs eager bf16.", "",
+             "| model | tokens | sites replaced | inductor ms | sage ms | speed-up | cos sage | attention share (inductor) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in models["rows"]:
+        lines.append(f"| {r['model']} | {r['batch']}×{r['tokens']} | {r['sites_replaced']}/{r['sites']} | "
+                     f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | {r['cos_sage']:.6f} | "
+                     f"{100 * r['attn_share_inductor']:.0f}% |")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -91,6 +104,9 @@ def main() -> int:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:
         lines += _e2e_table(static, "End to end, static shapes (sage and prep compiled per shape)") + [""]
+    models = _load("models_h200.json")
+    if models:
+        lines += _models_table(models) + [""]
     with open(os.path.join(RESULTS, "README.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -67,16 +67,18 @@ def demo(args) -> int:
 
 
 BENCHES = {"kernel": "bench.kernel_bench", "e2e": "bench.e2e_bench", "prep": "bench.prep_profile",
-           "report": "bench.report"}
+           "models": "bench.models", "report": "bench.report"}
 
 
 def bench(args) -> int:
-    """bench [kernel|e2e|prep|report] [options]: the scripts in bench/ (GPU ones need CUDA)."""
+    """bench [kernel|e2e|prep|models|report] [options]: the scripts in bench/ (GPU ones need CUDA)."""
     import importlib
 
     import torch
 
     rest = list(args.rest)
+    if rest and rest[0] == "--models":  # `bench --models` is `bench models`
+        rest[0] = "models"
     which = rest.pop(0) if rest and rest[0] in BENCHES else "kernel"
     if which != "report" and not torch.cuda.is_available():
         print(f"bench {which}: needs a CUDA GPU (none visible); `bench report` renders existing results")
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--seq-len", type=int, default=256)
-    b = sub.add_parser("bench", help="bench [kernel|e2e|prep|report] ...: benchmarks (GPU) and the results page")
+    b = sub.add_parser("bench", help="bench [kernel|e2e|prep|models|report] ...: benchmarks (GPU) and the results page")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
