@@ -100,7 +100,11 @@ def main(argv=None) -> int:
     d.add_argument("--seq-len", type=int, default=256)
     b = sub.add_parser("bench", help="bench [kernel|e2e|prep|models|report] ...: benchmarks (GPU) and the results page")
     b.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.rest = extra + list(args.rest)  # argparse leaves a leading "--models" unparsed
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
 
 
