@@ -30,7 +30,8 @@ class Explanation:
 
 def explain(model, *example_inputs, config: Optional[SageConfig] = None, **example_kwargs) -> Explanation:
     """Trace ``model`` with every sage pass, Inductor's attention matching included (no code generation,
-    nothing cached), and report the sites."""
+    nothing cached), and report the sites. Like ``torch._dynamo.explain`` it resets Dynamo's caches
+    (before and after), so call it before compiling, not between compiled calls you want to keep warm."""
     from .backend import collect_reports, sage_backend
 
     config = (config or SageConfig()).replace(inner_backend="aot_eager")
