@@ -43,6 +43,7 @@ class Match:
     mask_kind: str = "none"  # none | additive | keep_where_true | drop_where_true
     gqa: bool = False
     rank: int = 4
+    causal: int = 0  # set when the mask is recognised as causal (then no mask is passed)
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -166,6 +167,39 @@ def peel_mask(node: Node, match: Match) -> Node:
     return node
 
 
+def structural_causal(match: "Match") -> Optional[int]:
+    """A triu/tril of ones used as a causal mask → the causal mode (no mask to read; blocks skipped).
+    masked_fill(triu(ones(Nq, Nk), d), −inf) allows j ≤ i + d − 1; where(tril(ones(Nq, Nk), d), s, −inf)
+    allows j ≤ i + d. Offset 0 is SDPA's top-left causal, Nk − Nq bottom-right; anything else stays a mask."""
+    from sage_compile import spec
+
+    mask = match.mask
+    if match.mask_kind not in ("drop_where_true", "keep_where_true") or not isinstance(mask, Node):
+        return None
+    mask = strip_casts(mask)
+    wanted = "triu" if match.mask_kind == "drop_where_true" else "tril"
+    if not _is(mask, {getattr(torch, wanted)}, wanted):
+        return None
+    diagonal = _arg(mask, 1, "diagonal", 0)
+    if not isinstance(diagonal, int) or not _is_ones(strip_casts(mask.args[0])):
+        return None
+    offset = diagonal - 1 if wanted == "triu" else diagonal
+    value, q, k = _val(mask), _val(match.q), _val(match.k)
+    if value.dim() != 2 or value.shape[0] != q.shape[-2] or value.shape[1] != k.shape[-2]:
+        return None
+    if offset == 0:
+        return spec.CAUSAL_TOP_LEFT
+    if offset == k.shape[-2] - q.shape[-2]:
+        return spec.CAUSAL_BOTTOM_RIGHT
+    return None
+
+
+def _is_ones(node) -> bool:
+    if _is(node, {torch.ones, torch.ones_like}, "new_ones"):
+        return True
+    return _is(node, {torch.full}) and _arg(node, 1, "fill_value") in (1, True)
+
+
 def _is_scores_like(node) -> bool:
     return isinstance(node, Node) and (_is(node, MATMUL, "matmul") or _is(node, MUL, "mul")
                                        or _is(node, DIV, "div") or _is(node, {torch.einsum}))
@@ -259,7 +293,12 @@ def match_at(softmax: Node) -> Optional[Match]:
     if gqa_k != gqa_v:
         return None
     match.q, match.k, match.gqa = q, k, gqa_k
-    return match if all(_rank(t) == rank for t in (match.q, match.k, match.v)) else None
+    if not all(_rank(t) == rank for t in (match.q, match.k, match.v)):
+        return None
+    causal = structural_causal(match)
+    if causal is not None:
+        match.causal, match.mask, match.mask_kind = causal, None, "none"
+    return match
 
 
 def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
@@ -276,7 +315,8 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
             scale = scale * _val(factor) ** power
         q, k, v, mask = (_as_4d(_val(t), match) if t is not None else None
                          for t in (match.q, match.k, match.v, match.mask))
-        call = AttentionCall(q, k, v, attn_mask=mask, scale=scale, enable_gqa=match.gqa)
+        call = AttentionCall(q, k, v, attn_mask=mask, is_causal=bool(match.causal), scale=scale,
+                             enable_gqa=match.gqa)
         if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled()):
             continue
         _replace(gm.graph, match, config)
@@ -308,7 +348,7 @@ def _replace(graph: torch.fx.Graph, match: Match, config: SageConfig) -> None:
             scale = graph.call_function(operator.mul if power > 0 else operator.truediv, (scale, factor))
         new = graph.call_function(
             torch.ops.sage.attention.default, (q, k, v),
-            dict(attn_mask=mask, scale=scale, causal=0, enable_gqa=match.gqa, **config.op_kwargs()),
+            dict(attn_mask=mask, scale=scale, causal=match.causal, enable_gqa=match.gqa, **config.op_kwargs()),
         )
         if match.rank == 3:
             new = graph.call_method("squeeze", (new, 0))

@@ -162,3 +162,42 @@ def test_diffusers_legacy_baddbmm_with_a_padding_mask():
     out, nodes = _compile_and_capture(legacy, q, k, v, mask)
     assert sum(n.target == torch.ops.sage.attention.default for n in nodes) == 1
     assert cosine(out, _exact(legacy, q, k, v, mask)) > 0.995
+
+
+@pytest.mark.parametrize("fn,n_q,n_k,expected", [
+    (causal_masked_fill, N, N, 1),
+    (causal_where_finfo_min, N, N, 1),
+])
+def test_causal_masks_are_recognised_as_causal(fn, n_q, n_k, expected):
+    """triu/tril-of-ones masks become the causal mode: no mask read, key blocks skipped, same result."""
+    q, k, v = random_qkv(B, H, H, n_q, n_k, D, seed=6)
+    out, nodes = _compile_and_capture(fn, q, k, v)
+    (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
+    assert site.kwargs["causal"] == expected and site.kwargs["attn_mask"] is None
+    torch.testing.assert_close(out, sage_compile.sage_attention(q, k, v, is_causal=True), rtol=0, atol=0)
+
+
+def test_bottom_right_triu_mask_is_recognised():
+    def chunked_prefill(q, k, v):
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        masked = torch.triu(torch.ones(n_q, n_k, dtype=torch.bool), diagonal=n_k - n_q + 1)
+        return (q @ k.transpose(-1, -2) * SCALE).masked_fill(masked, float("-inf")).softmax(-1) @ v
+
+    q, k, v = random_qkv(1, 2, 2, 16, 40, D, seed=7)
+    out, nodes = _compile_and_capture(chunked_prefill, q, k, v)
+    (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
+    assert site.kwargs["causal"] == 2 and site.kwargs["attn_mask"] is None
+    expected = sage_compile.sage_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_non_causal_band_stays_a_mask():
+    def band(q, k, v):
+        far = torch.triu(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool), diagonal=5)
+        return (q @ k.transpose(-1, -2) * SCALE).masked_fill(far, float("-inf")).softmax(-1) @ v
+
+    q, k, v = random_qkv(1, 2, 2, 24, 24, D, seed=8)
+    out, nodes = _compile_and_capture(band, q, k, v)
+    (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
+    assert site.kwargs["causal"] == 0 and site.kwargs["attn_mask"] is not None
+    assert cosine(out, _exact(band, q, k, v)) > 0.995
