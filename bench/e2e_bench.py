@@ -32,6 +32,13 @@ def rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rope_tables(n: int, d: int, device, dtype=torch.float32):
+    """cos, sin [N, D/2] of the standard 10000^(-2i/D) frequencies."""
+    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
+    freqs = pos * (10000.0 ** (-torch.arange(0, d // 2, device=device, dtype=torch.float32) / (d // 2)))
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
 def attention_block(xq, xk, v, cos, sin, causal: bool):
     q = rope(xq, cos, sin).transpose(1, 2)
     k = rope(xk, cos, sin).transpose(1, 2)
@@ -61,9 +68,7 @@ def make_inputs(batch, n, heads, d, seed, dist="normal"):
     elif dist == "channel_bias":  # K += 8c, V += 4c, Q += 2c with c ~ N(0,1) per channel
         c = torch.randn(d, device="cuda", generator=g)
         xq, xk, v = xq + 2 * c, xk + 8 * c, v + 4 * c
-    pos = torch.arange(n, device="cuda", dtype=torch.float32)[:, None]
-    freqs = pos * (10000.0 ** (-torch.arange(0, d // 2, device="cuda", dtype=torch.float32) / (d // 2)))
-    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    cos, sin = (t[:, None, :] for t in rope_tables(n, d, "cuda"))
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
     return bf(xq), bf(xk), bf(v), bf(cos), bf(sin)
 

@@ -12,6 +12,7 @@ docs/results/models.json); prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -23,18 +24,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bench.e2e_bench import rope, rope_tables
 from bench.kernel_bench import _bench_ms
 
 ATTENTION_KERNELS = ("_attn_fwd", "attention", "fmha", "flash", "cudnn", "sdpa")
 
 
-def rope(x):  # x [B, H, N, D], half-split
-    n, d = x.shape[2], x.shape[3]
-    freqs = torch.arange(n, device=x.device, dtype=torch.float32)[:, None] * \
-        (10000.0 ** (-torch.arange(0, d // 2, device=x.device, dtype=torch.float32) / (d // 2)))
-    cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def rope_bhnd(x):  # x [B, H, N, D]; tables built in the graph, as models do
+    return rope(x, *rope_tables(x.shape[2], x.shape[3], x.device, x.dtype))
 
 
 class Block(nn.Module):
@@ -57,7 +54,7 @@ class Block(nn.Module):
         k, v = self.kv(h).view(b, n, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
         k = self.kn(k)
         if self.use_rope:
-            q, k = rope(q), rope(k)
+            q, k = rope_bhnd(q), rope_bhnd(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads != self.heads)
         x = x + self.o(y.transpose(1, 2).reshape(b, n, c))
         return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
@@ -117,7 +114,7 @@ def main(argv=None) -> int:
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
                        sites=sum(len(r.sites) for r in reports),
-                       inductor_ms=_bench_ms(lambda: inductor(x)), sage_ms=_bench_ms(lambda: sage(x)),
+                       inductor_ms=_bench_ms(functools.partial(inductor, x)), sage_ms=_bench_ms(functools.partial(sage, x)),
                        cos_sage=F.cosine_similarity(out.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_inductor=F.cosine_similarity(inductor(x).float().flatten(), eager.flatten(), dim=0).item(),
                        attn_share_inductor=attention_share(inductor, x), attn_share_sage=attention_share(sage, x))
