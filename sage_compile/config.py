@@ -20,7 +20,8 @@ class SageConfig:
     and real models have large per-channel K bias), ``smooth_q``/``smooth_v``, ``pv`` fp8|fp16.
     Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (reported by explain and
     counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key lengths (None: the
-    measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
+    measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32``
+    quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager.
     """
 

@@ -8,9 +8,9 @@ sage_compile``): the backend, ``sage_attention`` and the tests import it.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
+import functools
 import warnings
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -51,22 +51,21 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
                              qk="int8", q_granularity="per_token", k_granularity="per_token", q_block=128,
                              k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
                              fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
-    # the dispatcher passes what the caller passed, positionally or not: defaults repeat the schema
-    """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported."""
+    """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported.
+    (The dispatcher passes what the caller passed, positionally or not: the defaults repeat the schema.)"""
     check_attention_inputs(q, k, v)
     if causal not in spec.CAUSAL_NAMES:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
-    config = SageConfig(qk=qk, q_granularity=q_granularity, k_granularity=k_granularity, q_block=q_block,
-                        k_block=k_block, smooth_k=smooth_k, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv,
-                        fallback=fallback, min_seq_len=min_seq_len, allow_fp32=allow_fp32)
+    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
+                     fallback, min_seq_len, allow_fp32)
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
     reason = unsupported_reason(call, config, torch.is_grad_enabled())
     if reason is not None:
         report_fallback(reason, config)
-        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa)
+        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if sdpa_is_faster(call, config) is not None:
         torch._dynamo.utils.counters["sage"]["sdpa_by_threshold"] += 1
-        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa)
+        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -78,12 +77,31 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
     return out
 
 
-def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa):
-    is_causal = causal == spec.CAUSAL_TOP_LEFT
-    if causal == spec.CAUSAL_BOTTOM_RIGHT:  # SDPA's is_causal is top-left: say bottom-right as a mask
-        attn_mask = spec.causal_allowed(q.shape[-2], k.shape[-2], causal, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+@functools.lru_cache(maxsize=64)
+def _config(*fields) -> SageConfig:
+    """The decomposition runs on every eager call: build (and validate) each distinct config once."""
+    names = ("qk", "q_granularity", "k_granularity", "q_block", "k_block", "smooth_k", "smooth_q", "smooth_v",
+             "pv", "fallback", "min_seq_len", "allow_fp32")
+    return SageConfig(**dict(zip(names, fields)))
+
+
+def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):
+    """The same attention as F.sdpa: what SDPA cannot say directly (bottom-right causal, kv_lens) is
+    folded into its mask, so no masking is ever dropped on the way back to SDPA."""
+    if causal == spec.CAUSAL_TOP_LEFT and kv_lens is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, enable_gqa=enable_gqa)
+    keep = spec.causal_allowed(q.shape[-2], k.shape[-2], causal, q.device)  # None when not causal
+    if kv_lens is not None:
+        valid = spec.valid_key_mask(kv_lens, k.shape[-2])[:, None, None, :]
+        keep = valid if keep is None else keep & valid
+    if keep is not None:
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            attn_mask = keep if attn_mask is None else attn_mask & keep
+        else:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
 _reported_fallbacks: set = set()

@@ -143,9 +143,11 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     if not threshold:
         return None
     n_k = call.k.shape[-2]
-    if threshold == thresholds.NEVER or n_k < threshold:
-        source = "min_seq_len" if config.min_seq_len is not None else f"measured on {thresholds.MEASURED_ON}"
-        return f"SDPA is faster here: key length {n_k} < {thresholds.describe(threshold)} ({source})"
+    source = "min_seq_len" if config.min_seq_len is not None else f"measured on {thresholds.MEASURED_ON}"
+    if threshold == thresholds.NEVER:
+        return f"SDPA is faster here at every key length for this head dim/causality ({source})"
+    if n_k < threshold:
+        return f"SDPA is faster here: key length {n_k} < {int(threshold)} ({source})"
     return None
 
 

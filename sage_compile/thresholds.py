@@ -8,8 +8,6 @@ SDPA unless ``SageConfig.min_seq_len`` says otherwise.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 
 NEVER = math.inf
@@ -34,7 +32,3 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool) -> flo
     major = torch.cuda.get_device_capability(device)[0]
     key = (major, padded_head_dim, causal)
     return MEASURED.get(key, MEASURED.get((9, padded_head_dim, causal), 0))
-
-
-def describe(threshold: float) -> Optional[str]:
-    return "never (SDPA measured faster at every length)" if threshold == NEVER else f"{int(threshold)}"

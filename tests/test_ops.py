@@ -137,3 +137,17 @@ def test_kv_lens_ignore_padded_keys():
     lse = spec.quantized_attention_reference(*_prepared_args(q, k, v, spec.Quantization(), kv_lens)[:8], kv_lens,
                                              128, 0, 64, q.dtype)[1]
     assert torch.isfinite(lse).all() and not math.isnan(lse.sum().item())
+
+
+@pytest.mark.parametrize("causal", [0, 1, 2])
+def test_fallback_keeps_kv_lens_and_bottom_right_causal(causal):
+    """On the way back to SDPA (here: fp32 inputs) kv_lens and causal alignment become SDPA's mask."""
+    q, k, v = random_qkv(2, 2, 2, 12, 30, 64, seed=9, dtype=torch.float32)
+    kv_lens = torch.tensor([30, 17], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="float32"):
+        out = torch.ops.sage.attention(q, k, v, causal=causal, kv_lens=kv_lens)
+    keep = torch.arange(30)[None, None, None, :] < kv_lens[:, None, None, None]
+    allowed = spec.causal_allowed(12, 30, causal)
+    if allowed is not None:
+        keep = keep & allowed
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
