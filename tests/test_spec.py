@@ -131,3 +131,24 @@ def test_rows_without_visible_keys_are_zero():
 @pytest.mark.parametrize("d,expected", [(1, 32), (32, 32), (48, 64), (64, 64), (80, 128), (160, 256), (256, 256)])
 def test_padded_head_dim(d, expected):
     assert spec.padded_head_dim(d) == expected
+
+
+@given(shape=attention_shapes(max_n=96), seed=st.integers(0, 2**16), causal=st.sampled_from([0, 1]))
+def test_kernel_lse_plus_shift_is_sdpas_logsumexp(shape, seed, causal):
+    """The kernel's LSE is over the K-smoothed scores; adding Prepared.lse_shift (scale·q·μK) gives the
+    natural-log LSE of the original scores, up to the INT8 score error (≤ a few 1e-2 here)."""
+    q, k, v = random_qkv(**shape, seed=seed)
+    scale = shape["d"] ** -0.5
+    p = spec.prepare(q, k, v, scale, spec.Quantization(), want_lse=True)
+    _, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean,
+                                                p.delta_s, None, p.q_group, causal, shape["d"], q.dtype)
+    group = shape["hq"] // shape["hkv"]
+    scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2) * scale
+    allowed = spec.causal_allowed(shape["n_q"], shape["n_k"], causal)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    exact = torch.logsumexp(scores, dim=-1)
+    got = lse + p.lse_shift
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(got))
+    assert (got[finite] - exact[finite]).abs().max() < 0.05
