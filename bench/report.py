@@ -104,6 +104,13 @@ def main() -> int:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:
         lines += _e2e_table(static, "End to end, static shapes (sage and prep compiled per shape)") + [""]
+    minilm = _load("minilm_cpu.json")
+    if minilm:
+        lines += [f"## Real weights — {minilm['model']}, {minilm['device']}, torch {minilm['torch']}", "",
+                  f"{minilm['sentences']} padded sentences, per-sentence embedding cosine vs fp32 "
+                  "(tests/test_real_weights.py):", "", "| | min | mean |", "|---|---|---|",
+                  f"| sage ({minilm['kernel']}) | {minilm['sage_min']:.5f} | {minilm['sage_mean']:.5f} |",
+                  f"| bf16 SDPA | {minilm['bf16_min']:.5f} | {minilm['bf16_mean']:.5f} |", ""]
     models = _load("models_h200.json")
     if models:
         lines += _models_table(models) + [""]
