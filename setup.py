@@ -1,14 +1,76 @@
-"""Build: the C++ CPU reference always; CUDA kernels only for archs present or named (never required).
+"""Build: the C++ CPU reference always; the CUDA kernels only where they can run (never required).
 
-SAGE_CUDA_ARCHS="90a;89" names CUDA archs to build; unset, archs of visible GPUs are used; with neither
-(or no nvcc) only the CPU reference is built.
+CUDA kernels (today: ``sage_compile._sm90``, Hopper wgmma) are built when nvcc is found and an arch
+they target is named or present:
+  SAGE_CUDA_ARCHS="90a"   build for these archs (";"- or ","-separated; "" or "none": build no CUDA);
+  unset                   the archs of the GPUs nvidia-smi lists.
+With no nvcc, no GPU and no SAGE_CUDA_ARCHS — a CPU machine — only the CPU reference is built, and a
+CUDA build that fails is reported and skipped, so `pip install` never fails for CUDA.
 """
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 
-from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from pybind11 import get_include as pybind11_include
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import Extension, setup
 
 cpu_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
+
+SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
+KERNEL_ARCHS = {"_sm90": {"90a"}}  # extension → archs it has code for
+
+
+def _nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _requested_archs():
+    """Archs named by SAGE_CUDA_ARCHS, else those of the visible GPUs (9.0 → 90a: wgmma needs sm_90a)."""
+    named = os.environ.get("SAGE_CUDA_ARCHS")
+    if named is not None:
+        return {a.strip() for a in named.replace(",", ";").split(";") if a.strip() and a.strip() != "none"}
+    try:
+        caps = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    archs = set()
+    for cap in caps:
+        major, _, minor = cap.strip().partition(".")
+        if major.isdigit() and minor.isdigit():
+            archs.add(f"{major}{minor}" + ("a" if (major, minor) == ("9", "0") else ""))
+    return archs
+
+
+class NvccExtension(Extension):
+    """A pybind11 module whose sources nvcc compiles and links (CUDA runtime linked statically)."""
+
+    def __init__(self, name, sources, archs):
+        super().__init__(name, sources)
+        self.archs = sorted(archs)
+
+
+class BuildExt(build_ext):
+    def build_extension(self, ext):
+        if not isinstance(ext, NvccExtension):
+            return super().build_extension(ext)
+        target = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.archs]
+        cmd = [_nvcc(), *ext.sources, "-o", target, "-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+               "--cudart", "static", "-I", pybind11_include(), "-I", sysconfig.get_paths()["include"], *gencode]
+        print(" ".join(cmd))
+        try:
+            subprocess.run(cmd, check=True)
+        except (OSError, subprocess.CalledProcessError) as err:  # never fail the install for CUDA
+            print(f"WARNING: building {ext.name} failed ({err}); the Triton/CPU kernels remain", file=sys.stderr)
+
 
 ext_modules = [
     Pybind11Extension(
@@ -19,9 +81,14 @@ ext_modules = [
         extra_link_args=["-fopenmp"],
     )
 ]
+if _nvcc():
+    archs = _requested_archs()
+    if archs & KERNEL_ARCHS["_sm90"]:
+        ext_modules.append(NvccExtension("sage_compile._sm90", SM90_SOURCES, archs & KERNEL_ARCHS["_sm90"]))
 
 setup(
     packages=["sage_compile", "sage_compile.kernels", "sage_compile.integrations", "sage_compile.passes"],
     package_dir={"sage_compile": "sage_compile", "sage_compile.passes": "passes"},
     ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExt},
 )

@@ -1,4 +1,5 @@
-"""Kernel-only speed of the Triton ``sage.quantized_attention`` kernel against SDPA (cuDNN, flash), same run.
+"""Kernel-only speed of the ``sage.quantized_attention`` kernels (Triton; native sm90 where built) against SDPA
+(cuDNN, flash), same run.
 
 TOPS = 4·B·H·N²·D / time (halved for causal); median of ``triton.testing.do_bench``; B·N = 16K tokens,
 H=16 at D=128 and H=32 at D=64; every timed call rotates among 3 input sets (and do_bench clears L2 before
@@ -130,14 +131,24 @@ def _time_triton(tk, kargs, out, lse, config=None):
     return _bench_ms(_rotating([lambda a=a: tk.run(a, out, lse, config=config) for a in kargs]))
 
 
+def _load_sm90():
+    try:
+        from sage_compile.kernels import sm90
+    except ImportError:
+        return None
+    return sm90
+
+
 def main(argv=None):
     opts = _parse(argv)
     import triton
 
     from sage_compile import spec
     from sage_compile.kernels import triton as tk
+    sm90 = _load_sm90()
 
-    info = dict(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+    info = dict(sm90_kernel=({d: sm90.kernel_info(d) for d in sm90.HEAD_DIMS} if sm90 else None),
+                device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 cudnn=torch.backends.cudnn.version(), tokens=TOKENS, n_sets=N_SETS,
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
@@ -181,6 +192,9 @@ def main(argv=None):
                 row = dict(d=d, h=heads, n=n, b=batch, causal=causal, config=str(tk.config_for(kargs[0])),
                            triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
+                if sm90 is not None and sm90.supports(kargs[0]) is None:
+                    t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs]))
+                    row.update(sm90_ms=t_sm90, sm90_tops=ops / t_sm90 / 1e9)
                 if not opts.no_sdpa:
                     _time_sdpa(row, sets, causal, ops)
                 rows.append(row)
@@ -209,7 +223,7 @@ def main(argv=None):
         for k, v in sorted(best.items()):
             print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
     print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} "
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'sm90':>7} {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} "
           f"{'prep ms':>8}  config")
     for r in rows:
         print(_fmt_row(r))
@@ -222,7 +236,7 @@ def _table_config_text(tk, d, causal, long_n):
 
 def _fmt_row(r):
     f = lambda key: f"{r[key]:7.0f}" if key in r else f"{'-':>7}"  # noqa: E731
-    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('triton_tops')} {f('cudnn_tops')} "
+    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('sm90_tops')} {f('triton_tops')} {f('cudnn_tops')} "
             f"{f('flash_tops')} {r['end_to_end_tops']:6.0f} {r['prepare_ms']:8.3f}  {r['config']}")
 
 

@@ -6,6 +6,7 @@ stream. ``sage_compile.dispatch`` picks the first that supports the inputs, in t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,3 +44,56 @@ KERNEL_MODULES = (
     "sage_compile.kernels.cpu",
     "sage_compile.kernels.reference",
 )
+
+
+_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask")
+_MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
+
+
+def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_type: str) -> None:
+    """Kernels that read and write wherever pointers, sizes and strides say (the C++ and CUDA ones) call
+    this first: a wrong shape, or a tensor on another device, must stop here."""
+    from .. import spec
+
+    if args.q.dim() != 4 or args.k.dim() != 4:
+        raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
+                         f"{tuple(args.k.shape)}")
+    batch, hq, n_q, dp = args.q.shape
+    hkv, n_k = args.k.shape[1], args.k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"sage.quantized_attention: Hq={hq} is not a multiple of Hkv={hkv}")
+    if args.q_group < 1 or not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
+        raise ValueError(f"sage.quantized_attention: q_group={args.q_group}, head_dim={args.head_dim} "
+                         f"(Dp={dp}), causal={args.causal} out of range")
+    expected = {
+        "q_scale": (batch, hq, n_q),
+        "k": (batch, hkv, n_k, dp),
+        "k_scale": (batch, hkv, n_k),
+        "v_scale": (batch, hkv, dp),
+        "v_mean": (batch, hkv, dp),
+        "delta_s": (batch, hq, math.ceil(n_q / args.q_group), n_k),
+        "kv_lens": (batch,),
+        "out": (batch, hq, n_q, args.head_dim),
+        "lse": (batch, hq, n_q),
+    }
+    tensors = {name: getattr(args, name) for name in _TENSOR_FIELDS}
+    tensors.update(out=out, lse=lse)
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != device_type or t.device != args.q.device:
+            raise ValueError(f"sage.quantized_attention: {name} is on {t.device}, q on {args.q.device}; "
+                             f"the {device_type} kernel needs every tensor on one {device_type} device")
+        if name in expected and tuple(t.shape) != expected[name]:
+            raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    mask = args.attn_mask
+    if mask is not None:
+        if mask.dtype not in _MASK_DTYPES:
+            raise ValueError(f"sage.quantized_attention: attn_mask.dtype={mask.dtype}, expected bool or float32")
+        m = tuple(mask.shape)
+        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2:] != (n_q, n_k):
+            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq, Nk] "
+                             f"= [{batch}|1, {hq}|1, {n_q}, {n_k}]")
+    v_shape = tuple(args.v.shape)
+    if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
+        raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

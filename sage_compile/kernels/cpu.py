@@ -5,22 +5,20 @@ first. Importing this module fails when the extension is not built, and the disp
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from .. import _C, spec
-from . import KernelArgs
+from . import KernelArgs, check_inputs
 
 NAME = "cpu"
 
-_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask")
 _SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
 _V_DTYPES = (torch.float8_e4m3fn, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KV_LENS_DTYPES = (torch.int32, torch.int64)
-_MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
+_MASK_DTYPES = (torch.bool, torch.float32)
 
 
 def supports(args: KernelArgs) -> Optional[str]:
@@ -46,7 +44,7 @@ def supports(args: KernelArgs) -> Optional[str]:
 
 def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
-    _check_inputs(args, out, lse)
+    check_inputs(args, out, lse, "cpu")
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     _C.quantized_attention(
@@ -73,49 +71,3 @@ def _mask_arg(mask: Optional[torch.Tensor]):
         return None
     strides = tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))
     return mask.data_ptr(), str(mask.dtype).removeprefix("torch."), strides
-
-
-def _check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The C++ reads and writes wherever pointers, sizes and strides say: a wrong shape or a tensor on
-    another device must stop here."""
-    if args.q.dim() != 4 or args.k.dim() != 4:
-        raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
-                         f"{tuple(args.k.shape)}")
-    batch, hq, n_q, dp = args.q.shape
-    hkv, n_k = args.k.shape[1], args.k.shape[2]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"sage.quantized_attention: Hq={hq} is not a multiple of Hkv={hkv}")
-    if args.q_group < 1 or not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
-        raise ValueError(f"sage.quantized_attention: q_group={args.q_group}, head_dim={args.head_dim} "
-                         f"(Dp={dp}), causal={args.causal} out of range")
-    expected = {
-        "q_scale": (batch, hq, n_q),
-        "k": (batch, hkv, n_k, dp),
-        "k_scale": (batch, hkv, n_k),
-        "v_scale": (batch, hkv, dp),
-        "v_mean": (batch, hkv, dp),
-        "delta_s": (batch, hq, math.ceil(n_q / args.q_group), n_k),
-        "kv_lens": (batch,),
-        "out": (batch, hq, n_q, args.head_dim),
-        "lse": (batch, hq, n_q),
-    }
-    tensors = {name: getattr(args, name) for name in _TENSOR_FIELDS}
-    tensors.update(out=out, lse=lse)
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if t.device.type != "cpu":
-            raise ValueError(f"sage.quantized_attention: {name} is on {t.device}; the cpu kernel needs cpu")
-        if name in expected and tuple(t.shape) != expected[name]:
-            raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
-    mask = args.attn_mask
-    if mask is not None:
-        if mask.dtype not in _MASK_DTYPES:
-            raise ValueError(f"sage.quantized_attention: attn_mask.dtype={mask.dtype}, expected bool or float32")
-        m = tuple(mask.shape)
-        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2:] != (n_q, n_k):
-            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq, Nk] "
-                             f"= [{batch}|1, {hq}|1, {n_q}, {n_k}]")
-    v_shape = tuple(args.v.shape)
-    if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
-        raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

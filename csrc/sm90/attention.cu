@@ -1,0 +1,548 @@
+// sage.quantized_attention on Hopper (sm_90a): INT8 wgmma for QKᵀ, FP8 (e4m3) wgmma for PV, fp32 two-level
+// accumulation, online softmax in base 2 — the function of sage_compile/spec.py's
+// quantized_attention_reference with block_n = 128, computed in the order of the Triton kernel
+// (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
+// 448 folded into the exponent.
+//
+// One CTA = 128 query rows of one (batch, query head): two consumer warpgroups of 64 rows each share
+// the K/V tiles of a multi-stage shared-memory pipeline (half the L2 traffic of one warpgroup per
+// CTA). Every thread issues cp.async for its share of the next tiles; completion lands on an mbarrier
+// per stage (cp.async.mbarrier.arrive.noinc), and a second mbarrier per stage says both warpgroups are
+// done with it. While one warpgroup runs its softmax the other's wgmmas keep the tensor cores busy.
+//
+// The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
+// QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants
+// columns {4t..4t+3, 16+4t..16+4t+3}. K rows are therefore written to shared memory in a permuted order
+// within each group of 16 keys (key 4t + 2a + b goes to row 2t + b + 8a), so S column c holds key
+// kperm(c) and the registers of P are already in the A layout; V stays in natural key order. The
+// permutation costs nothing: cp.async places each 16-byte row chunk wherever we ask.
+//
+// Scores: the int32 dot becomes fp32 without I2F (x + 0x4B400000 reinterpreted is 1.5·2^23 + x exactly,
+// |x| < 2^22), then u = x·δK[col], S = u·δQ[row] (base-2 units), m' = max(m, max_j S),
+// P448 = exp2(S − (m' − log2 448)) = 448·P̃, P̂ = e4m3(P448) (round to nearest even, saturating),
+// l = l·α + ΣP448, O32 = O32·α + (P̂·V̂ in a fresh accumulator), out = O32/l·δV (+ μV).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "params.h"
+#include "wgmma.cuh"
+
+namespace sage_sm90 {
+
+constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups × 64)
+constexpr int kBlockN = 128;  // keys per pipeline stage (the oracle's block_n)
+constexpr float kLog2_448 = 8.807354922057604f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int D>
+struct SmemLayout {
+  static constexpr int kStages = D == 128 ? 4 : 6;
+  static constexpr int kQBytes = kBlockM * D;
+  static constexpr int kKBytes = kBlockN * D;
+  static constexpr int kVBytes = D * kBlockN;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
+  static constexpr int kV = kK + kStages * kKBytes;
+  static constexpr int kKScale = kV + kStages * kVBytes;
+  static constexpr int kBarriers = kKScale + kStages * kBlockN * 4;
+  static constexpr int kBytes = kBarriers + 2 * kStages * 8;
+  static constexpr int kDynamic = kBytes + 1024;  // room to align the base to 1024 (128-byte swizzle)
+};
+
+// ---------------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// The mbarrier counts this thread's arrival once all its earlier cp.async copies have landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// Shared memory written through the generic proxy (cp.async), read next by wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Keeps the compiler from touching accumulator registers across the asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Four fp32 → four e4m3 bytes (x0 in the lowest byte), round to nearest even, saturating at ±448.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// wgmma shared-memory descriptor of a K-major tile with rows of `row_bytes` (64 or 128) bytes, swizzled
+// at that width (the layout our cp.async writes): stride between 8-row groups = 8 rows.
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, int row_bytes) {
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t(1) << 16;                          // leading byte offset: unused when swizzled
+  desc |= uint64_t((8 * row_bytes) >> 4) << 32;       // stride byte offset
+  desc |= uint64_t(row_bytes == 128 ? 1 : 2) << 62;   // 128-byte or 64-byte swizzle
+  return desc;
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `RowBytes`-byte rows, swizzled the
+// way wgmma reads it (128B: chunk ^ row%8; 64B: chunk ^ (row/2)%4). Tile bases are 1024-aligned.
+template <int RowBytes>
+__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
+  const int x = RowBytes == 128 ? (row & 7) : ((row >> 1) & 3);
+  return row * RowBytes + ((chunk ^ x) << 4);
+}
+
+// Shared-memory row of key n of a block: within each 16-key group key 4t + 2a + b goes to row
+// 2t + b + 8a (so that S column c = 8i + 2t + b of the accumulator holds key 16(i/2) + 4t + 2(i%2) + b).
+__device__ __forceinline__ int k_row_of_key(int n) {
+  const int r = n & 15;
+  return (n & ~15) | ((r >> 2) << 1) | (r & 1) | (((r >> 1) & 1) << 3);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Kernel
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+constexpr int kConsumerThreads = 256;  // two consumer warpgroups
+constexpr int kProducerRegs = 64, kConsumerRegs = 224;  // 128·64 + 256·224 = 65536 (no spills in either)
+constexpr int kTurnBarrier = 1;  // named barriers 1, 2: the consumer warpgroups' turns to issue wgmma
+
+// One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
+// max/sum, and P̂ packed in the e4m3 A layout of four k32 steps. Returns α for the O update.
+template <bool Masked>
+__device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
+                                              const int (&row)[2], const float (&q_scale)[2], int n_valid,
+                                              int causal, int causal_offset, float (&m)[2], float (&l)[2],
+                                              float (&alpha)[2], uint32_t (&pa)[4][4]) {
+  // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
+  // 16(i/2) + 4t + 2(i%2) + e; one float4 of δK serves the 4 keys 16G + 4t..4t+3.
+  float sc[64];
+#pragma unroll
+  for (int grp = 0; grp < 8; ++grp) {
+    const float4 ks4 = *reinterpret_cast<const float4*>(ks_s + 16 * grp + 4 * t);
+    const float ksv[4] = {ks4.x, ks4.y, ks4.z, ks4.w};
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 4 * (2 * grp + a) + 2 * hr + e;
+          const float x = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000) - 12582912.f;
+          sc[idx] = x * ksv[2 * a + e];
+        }
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = -INFINITY;
+    if constexpr (!Masked) {  // every score finite, δQ > 0: max_j S = δQ·max_j u, S − m' is one FMA
+#pragma unroll
+      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int idx = 4 * i + 2 * hr + e;
+          const int key = k0 + 16 * (i >> 1) + 4 * t + 2 * (i & 1) + e;
+          const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
+          sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
+          mx = fmaxf(mx, sc[idx]);
+        }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    float m_new, m_safe;
+    if constexpr (!Masked) {
+      m_new = fmaxf(m[hr], mx * q_scale[hr]);
+      m_safe = m_new;
+    } else {
+      m_new = fmaxf(m[hr], mx);
+      m_safe = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: P̃ = 0, α = 0
+    }
+    alpha[hr] = exp2_approx(m[hr] - m_safe);
+    m[hr] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int idx = 4 * i + 2 * hr + e;
+        if constexpr (!Masked) {
+          sc[idx] = exp2_approx(fmaf(sc[idx], q_scale[hr], kLog2_448 - m_safe));
+        } else {
+          sc[idx] = exp2_approx(sc[idx] - (m_safe - kLog2_448));
+        }
+        sum += sc[idx];
+      }
+    l[hr] = l[hr] * alpha[hr] + sum;
+  }
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) {
+    const int i0 = 4 * kc;
+    pa[kc][0] = pack_e4m3x4(sc[4 * i0 + 0], sc[4 * i0 + 1], sc[4 * i0 + 4], sc[4 * i0 + 5]);
+    pa[kc][1] = pack_e4m3x4(sc[4 * i0 + 2], sc[4 * i0 + 3], sc[4 * i0 + 6], sc[4 * i0 + 7]);
+    pa[kc][2] = pack_e4m3x4(sc[4 * i0 + 8], sc[4 * i0 + 9], sc[4 * i0 + 12], sc[4 * i0 + 13]);
+    pa[kc][3] = pack_e4m3x4(sc[4 * i0 + 10], sc[4 * i0 + 11], sc[4 * i0 + 14], sc[4 * i0 + 15]);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t base, int tid, int wg, int b, int h,
+                                        int hk, int q0, int n_valid, int n_blocks) {
+  using L = SmemLayout<D>;
+  constexpr int kStages = L::kStages;
+  constexpr int kOut = D / 2;  // fp32 accumulator registers of O (m64nD) per thread
+  const uint32_t sQ = base + L::kQ, sK = base + L::kK, sV = base + L::kV;
+  const uint32_t sBar = base + L::kBarriers;
+  auto full_bar = [&](int s) { return sBar + 8 * s; };
+  auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+  setmaxnreg_inc<kConsumerRegs>();
+  const int warp = (tid & 127) >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const float* k_scale_smem = reinterpret_cast<const float*>(smem + L::kKScale);
+
+  // This thread's rows (two per thread: g and g + 8 of its warp's 16) and their δQ.
+  const int wg_row0 = q0 + wg * 64;
+  const int row[2] = {wg_row0 + warp * 16 + g, wg_row0 + warp * 16 + g + 8};
+  float q_scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    q_scale[r] = row[r] < p.nq ? p.q_scale[b * p.qs_sb + h * p.qs_sh + row[r]] : 0.f;
+  const uint64_t desc_q = smem_descriptor(sQ + wg * 64 * D, D);
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};  // this thread's share of the row sums (reduced over the quad at the end)
+  float alpha[2] = {1.f, 1.f};
+  uint32_t pa[4][4];
+
+  // Every warpgroup walks all n_blocks of the CTA (a causal warpgroup whose rows see fewer keys masks
+  // them): the wgmmas then sit on no divergent path, and both warpgroups take the same number of turns.
+  auto issue_qk = [&](uint32_t (&acc)[64], int j) {
+    const uint64_t desc_k = smem_descriptor(sK + (j % kStages) * L::kKBytes, D);
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+  };
+  auto issue_pv = [&](float (&pv)[kOut], int j) {
+    const uint64_t desc_v = smem_descriptor(sV + (j % kStages) * L::kVBytes, 128);
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      if constexpr (D == 128) {
+        wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
+      } else {
+        wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
+      }
+    }
+  };
+  auto accumulate = [&](float (&pv)[kOut], int j) {  // O = O·α + T (two-level), then release block j
+    fence_registers(pv);
+#pragma unroll
+    for (int i = 0; i < kOut; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];
+    mbarrier_arrive(empty_bar(j % kStages));
+  };
+  auto softmax = [&](uint32_t (&acc)[64], int j) {
+    fence_registers(acc);
+    const int k0 = j * kBlockN;
+    const float* ks_s = k_scale_smem + (j % kStages) * kBlockN;
+    const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+    if (masked) {
+      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+    } else {
+      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+    }
+  };
+  const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
+
+  if (n_blocks > 0) {
+    if (wg == 1) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);  // warpgroup 0 goes first
+    uint32_t acc[64];
+    mbarrier_wait(full_bar(0), 0);
+    named_barrier_sync(my_turn, kConsumerThreads);
+    wgmma_fence();
+    issue_qk(acc, 0);
+    wgmma_commit();
+    named_barrier_arrive(other_turn, kConsumerThreads);
+    wgmma_wait_all();
+    softmax(acc, 0);
+  }
+  for (int j = 1; j < n_blocks; ++j) {
+    uint32_t acc[64];
+    float pv[kOut];
+    mbarrier_wait(full_bar(j % kStages), (j / kStages) & 1);
+    named_barrier_sync(my_turn, kConsumerThreads);  // my turn: S_j and T_{j−1} back to back
+    wgmma_fence();
+    issue_qk(acc, j);
+    issue_pv(pv, j - 1);
+    wgmma_commit();
+    named_barrier_arrive(other_turn, kConsumerThreads);
+    wgmma_wait_all();
+    accumulate(pv, j - 1);
+    softmax(acc, j);
+  }
+  if (n_blocks > 0) {
+    float pv[kOut];
+    named_barrier_sync(my_turn, kConsumerThreads);
+    wgmma_fence();
+    issue_pv(pv, n_blocks - 1);
+    wgmma_commit();
+    if (wg == 0) named_barrier_arrive(other_turn, kConsumerThreads);  // warpgroup 1 takes the last turn
+    wgmma_wait_all();
+    accumulate(pv, n_blocks - 1);
+  }
+
+  // Epilogue: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
+  const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
+  const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lsum = l[hr];
+    lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
+    if (row[hr] >= p.nq) continue;
+    const bool has_keys = lsum > 0.f;
+    const float inv = has_keys ? 1.f / lsum : 0.f;
+    const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = 8 * i + 2 * t + e;
+        if (d >= p.head_dim) continue;
+        float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
+        if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
+        const int64_t at = out_row + d * p.o_sd;
+        if (p.out_dtype == kOutBF16) {
+          static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
+        } else if (p.out_dtype == kOutFP16) {
+          static_cast<__half*>(p.out)[at] = __float2half_rn(val);
+        } else {
+          static_cast<float*>(p.out)[at] = val;
+        }
+      }
+    if (t == 0) {
+      p.lse[b * p.lse_sb + h * p.lse_sh + row[hr]] =
+          has_keys ? (m[hr] + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// Warp-specialized: warpgroup 2 produces (cp.async of K, Vᵀ, δK into the stages), warpgroups 0 and 1
+// consume, taking turns to issue their wgmmas (named barriers, FlashAttention-3's ping-pong) so that one
+// warpgroup's softmax runs while the other's matrix products occupy the tensor cores. Iteration j of a
+// consumer issues S_j = Q·K_jᵀ and the previous block's T = P̂_{j−1}·V̂_{j−1} together, then
+// O = O·α_{j−1} + T (two-level accumulation) and the softmax of block j.
+template <int D>
+__global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(const __grid_constant__ Params p) {
+  using L = SmemLayout<D>;
+  constexpr int kStages = L::kStages;
+  constexpr int kChunks = D / 16;  // 16-byte chunks per Q/K row
+  constexpr int kAllThreads = kConsumerThreads + 128;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + L::kQ, sK = base + L::kK, sV = base + L::kV, sKS = base + L::kKScale;
+  const uint32_t sBar = base + L::kBarriers;
+  auto full_bar = [&](int s) { return sBar + 8 * s; };
+  auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffff, tid >> 7, 0);  // provably warp-uniform: wgmma needs convergence
+
+  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
+  const int bh = blockIdx.y;
+  const int b = bh / p.hq, h = bh % p.hq, hk = h / (p.hq / p.hkv);
+  const int q0 = q_block * kBlockM;
+
+  int n_valid = p.nk;
+  if (p.kv_lens != nullptr) {
+    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[b]
+                                          : static_cast<const int32_t*>(p.kv_lens)[b];
+    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
+  }
+  int key_end = n_valid;  // keys [0, key_end) may be visible to some row of this CTA
+  if (p.causal) key_end = min(key_end, min(q0 + kBlockM, p.nq) + p.causal_offset);
+  key_end = max(key_end, 0);
+  // Uniform across the CTA; the shuffles make that visible to the compiler (wgmma loops on them).
+  n_valid = __shfl_sync(0xffffffff, n_valid, 0);
+  const int n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full_bar(s), 128);                // the producer warpgroup's cp.async arrivals
+      mbarrier_init(empty_bar(s), kConsumerThreads);  // every consumer thread is done with the stage
+    }
+  }
+  // Q: 128 rows × D bytes, rows past Nq zero-filled; every thread helps.
+  const int8_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
+  for (int idx = tid; idx < kBlockM * kChunks; idx += kAllThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool ok = q0 + r < p.nq;
+    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (q0 + r) * p.q_sn + c * 16 : q_g, ok);
+  }
+  cp_async_wait_all();
+  fence_proxy_async();
+  __syncthreads();
+
+  if (wg == 2) {
+    // ---------------- producer: K rows permuted (k_row_of_key), Vᵀ rows [D][128 keys], δK ----------------
+    setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - kConsumerThreads;
+    const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
+    const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+    const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
+    const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
+    for (int j = 0; j < n_blocks; ++j) {
+      const int s = j % kStages;
+      if (j >= kStages) mbarrier_wait(empty_bar(s), ((j / kStages) - 1) & 1);
+      const int k0 = j * kBlockN;
+      const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
+      const int8_t* k_blk = k_g + k0 * p.k_sn;  // row offsets within a block fit 32 bits (sm90.py checks)
+      const uint8_t* v_blk = v_g + k0;
+#pragma unroll 2
+      for (int i = 0; i < kBlockN * kChunks / 128; ++i) {
+        const int idx = pt + i * 128, n = idx / kChunks, c = idx % kChunks;
+        const bool ok = k0 + n < p.nk;
+        cp_async_16(dK + swizzled<D>(k_row_of_key(n), c), ok ? k_blk + n * k_row + c * 16 : k_g, ok);
+      }
+#pragma unroll 2
+      for (int i = 0; i < D * (kBlockN / 16) / 128; ++i) {
+        const int idx = pt + i * 128, d = idx >> 3, c = idx & 7;
+        const bool ok = k0 + c * 16 < p.nkp;
+        cp_async_16(dV + swizzled<128>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
+      }
+      const bool ok = k0 + pt < p.nk;
+      cp_async_4(dKS + pt * 4, ok ? ks_g + k0 + pt : ks_g, ok);
+      cp_async_arrive(full_bar(s));
+    }
+    cp_async_wait_all();
+  } else {
+    consume<D>(p, smem, base, tid, wg, b, h, hk, q0, n_valid, n_blocks);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Host
+// ---------------------------------------------------------------------------------------------------
+template <int D>
+static cudaError_t launch_for(const Params& p, cudaStream_t stream) {
+  constexpr int kSmem = SmemLayout<D>::kDynamic;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static unsigned configured = 0;  // one bit per device (≤ 32 devices)
+  if (device >= 32 || !(configured & (1u << device))) {
+    err = cudaFuncSetAttribute(attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    if (device < 32) configured |= 1u << device;
+  }
+  const dim3 grid((p.nq + kBlockM - 1) / kBlockM, p.batch * p.hq);
+  attention_kernel<D><<<grid, kConsumerThreads + 128, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+const char* launch(const Params& p, int64_t stream) {
+  if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  cudaError_t err;
+  if (p.head_dim_padded == 128) {
+    err = launch_for<128>(p, s);
+  } else if (p.head_dim_padded == 64) {
+    err = launch_for<64>(p, s);
+  } else {
+    return "sm90 kernel: padded head dim must be 64 or 128";
+  }
+  return err == cudaSuccess ? "" : cudaGetErrorString(err);
+}
+
+bool kernel_info(int head_dim_padded, int* regs, int* local_bytes, int* dynamic_smem, int* max_threads) {
+  cudaFuncAttributes attr{};
+  cudaError_t err;
+  if (head_dim_padded == 128) {
+    err = cudaFuncGetAttributes(&attr, attention_kernel<128>);
+    *dynamic_smem = SmemLayout<128>::kDynamic;
+  } else if (head_dim_padded == 64) {
+    err = cudaFuncGetAttributes(&attr, attention_kernel<64>);
+    *dynamic_smem = SmemLayout<64>::kDynamic;
+  } else {
+    return false;
+  }
+  if (err != cudaSuccess) return false;
+  *regs = attr.numRegs;
+  *local_bytes = static_cast<int>(attr.localSizeBytes);
+  *max_threads = attr.maxThreadsPerBlock;
+  return true;
+}
+
+}  // namespace sage_sm90

@@ -1,0 +1,44 @@
+// The sm90 kernel's launch parameters: raw pointers and element strides, checked by the Python caller
+// (sage_compile/kernels/sm90.py) against the contract of sage_compile.spec.Prepared.
+#pragma once
+#include <cstdint>
+
+namespace sage_sm90 {
+
+enum OutDtype : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
+
+struct Params {
+  const int8_t* q;         // [B, Hq, Nq, Dp] int8, last dim contiguous, rows 16-byte aligned
+  const float* q_scale;    // [B, Hq, Nq] fp32 (includes softmax scale · log2 e)
+  const int8_t* k;         // [B, Hkv, Nk, Dp] int8
+  const float* k_scale;    // [B, Hkv, Nk] fp32
+  const uint8_t* v;        // [B, Hkv, Dp, Nkp] e4m3 bytes (Vᵀ), Nkp a multiple of 16, zero past Nk
+  const float* v_scale;    // [B, Hkv, Dp] fp32
+  const float* v_mean;     // [B, Hkv, Dp] fp32 or null
+  const void* kv_lens;     // [B] int32 / int64 or null
+  void* out;               // [B, Hq, Nq, head_dim] bf16 / fp16 / fp32, any strides
+  float* lse;              // [B, Hq, Nq] fp32 (natural log, smoothed scores)
+  int64_t q_sb, q_sh, q_sn;
+  int64_t qs_sb, qs_sh;
+  int64_t k_sb, k_sh, k_sn;
+  int64_t ks_sb, ks_sh;
+  int64_t v_sb, v_sh, v_sd;
+  int64_t vs_sb, vs_sh;
+  int64_t vm_sb, vm_sh;
+  int64_t o_sb, o_sh, o_sn, o_sd;
+  int64_t lse_sb, lse_sh;
+  int batch, hq, hkv, nq, nk, nkp, head_dim, head_dim_padded;
+  int causal;         // 0 none, 1 top-left, 2 bottom-right
+  int causal_offset;  // key j visible to query i iff j <= i + causal_offset
+  int kv_lens_int64;
+  int out_dtype;      // OutDtype
+};
+
+// Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.
+const char* launch(const Params& p, int64_t stream);
+
+// Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
+// one padded head dim; false when that head dim has no kernel.
+bool kernel_info(int head_dim_padded, int* regs, int* local_bytes, int* dynamic_smem, int* max_threads);
+
+}  // namespace sage_sm90

@@ -1,0 +1,111 @@
+"""Native Hopper kernel (``sage_compile._sm90``, csrc/sm90/attention.cu): wgmma INT8 QKᵀ + FP8 PV.
+
+Same function as the spec's oracle with ``block_n = BLOCK_N`` (128), computed like the Triton kernel's
+FAST path. It covers the default configuration (per-token INT8 Q/K with K smoothing, FP8 V, optional V
+smoothing, causal in both alignments, GQA, kv_lens, LSE); inputs it does not cover — ΔS (smooth_q), an
+``attn_mask``, FP16 PV, head dims other than 64/128 after padding — get a reason from ``supports`` and
+the dispatcher moves on to the Triton kernel. Importing fails when the extension is not built.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import _sm90
+from . import KernelArgs, check_inputs
+
+NAME = "sm90"
+BLOCK_N = _sm90.BLOCK_N
+HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
+_OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_MAX_GRID_Y = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def _aligned(t: torch.Tensor, row_dim: int) -> bool:
+    """16-byte aligned base and rows (cp.async copies 16-byte chunks)."""
+    return t.data_ptr() % 16 == 0 and (t.shape[row_dim] <= 1 or t.stride(row_dim) * t.element_size() % 16 == 0)
+
+
+def supports(args: KernelArgs) -> Optional[str]:
+    if args.device.type != "cuda" or torch.version.hip is not None:
+        return f"needs an NVIDIA CUDA device (got {args.device.type})"
+    index = args.device.index if args.device.index is not None else torch.cuda.current_device()
+    cap = _capability(index)
+    if cap != (9, 0):
+        return f"built for sm_90a (Hopper); this GPU is sm{cap[0]}{cap[1]}"
+    if args.q.dtype != torch.int8 or args.k.dtype != torch.int8:
+        return f"q/k must be int8 (got {args.q.dtype}, {args.k.dtype})"
+    if args.v.dtype != torch.float8_e4m3fn:
+        return f"v must be float8_e4m3fn (pv='fp8'); got {args.v.dtype}"
+    dp = args.q.shape[-1]
+    if dp not in HEAD_DIMS:
+        return f"padded head dim {dp} not in {HEAD_DIMS}"
+    if args.delta_s is not None:
+        return "ΔS (smooth_q=True) is not implemented in the sm90 kernel"
+    if args.attn_mask is not None:
+        return "attn_mask is not implemented in the sm90 kernel"
+    if args.out_dtype not in _OUT_DTYPES:
+        return f"out dtype {args.out_dtype} not supported"
+    if args.causal not in (0, 1, 2):
+        return f"causal={args.causal} not supported"
+    if args.q.shape[0] * args.q.shape[1] > _MAX_GRID_Y:
+        return f"batch·heads = {args.q.shape[0] * args.q.shape[1]} > {_MAX_GRID_Y}"
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "v_mean"):
+        t = getattr(args, name)
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
+        if t is not None and t.dtype not in (torch.int8, torch.float8_e4m3fn) and t.dtype != torch.float32:
+            return f"{name} must be float32 (got {t.dtype})"
+    if not (_aligned(args.q, 2) and _aligned(args.k, 2) and _aligned(args.v, 2)):
+        return "q/k/v rows must be 16-byte aligned"
+    if args.k.stride(2) * 128 >= 2**31 or args.v.stride(2) * args.v.shape[2] >= 2**31:
+        return "k/v row strides too large for the kernel's 32-bit in-block offsets"
+    if args.v.shape[-1] % 16:
+        return f"v's key dim must be padded to a multiple of 16 (got {args.v.shape[-1]})"
+    if args.kv_lens is not None and args.kv_lens.dtype not in (torch.int32, torch.int64):
+        return f"kv_lens must be int32 or int64 (got {args.kv_lens.dtype})"
+    return None
+
+
+def _strides(t: Optional[torch.Tensor]):
+    return None if t is None else tuple(t.stride())
+
+
+def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync."""
+    check_inputs(args, out, lse, "cuda")
+    reason = supports(args)
+    if reason is not None:
+        raise ValueError(f"sage.quantized_attention (sm90): {reason}")
+    batch, hq, n_q, dp = args.q.shape
+    hkv, n_k = args.k.shape[1], args.k.shape[2]
+    if batch == 0 or hq == 0 or n_q == 0:
+        return
+    strides = {name: _strides(getattr(args, name)) for name in
+               ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
+    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    _sm90.attention(
+        q=ptr(args.q), q_scale=ptr(args.q_scale), k=ptr(args.k), k_scale=ptr(args.k_scale), v=ptr(args.v),
+        v_scale=ptr(args.v_scale), v_mean=ptr(args.v_mean), kv_lens=ptr(args.kv_lens), out=out.data_ptr(),
+        lse=lse.data_ptr(), strides=strides,
+        sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp),
+        causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
+        kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
+        out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
+    )
+
+
+def kernel_info(padded_head_dim: int) -> dict:
+    """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel."""
+    return dict(_sm90.kernel_info(padded_head_dim))

@@ -1,0 +1,172 @@
+"""The native sm90 kernel (csrc/sm90) against the spec's oracle, the Triton kernel and fp32 SDPA.
+
+Same tolerance and reasoning as tests/gpu/test_triton_kernel.py (the kernel computes the oracle's function
+with block_n = 128 up to ex2.approx, FMA reassociation and the FP8 MMA's ~22-bit accumulator). Inputs are
+fresh random bf16 tensors through ``spec.prepare``; outputs are NaN-poisoned before every launch and laid
+out [B, N, H, D] (strided), as the op allocates them.
+"""
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the sm90 kernel needs a Hopper GPU", allow_module_level=True)
+sm90 = pytest.importorskip("sage_compile.kernels.sm90", reason="sage_compile._sm90 not built")
+from gpu_cases import (  # noqa: E402
+    DEV, assert_close_to_oracle, distribution, make_case, poisoned_outputs,
+)
+from helpers import cosine, rel_l1  # noqa: E402
+from sage_compile import dispatch, spec  # noqa: E402
+from sage_compile.kernels import KernelArgs  # noqa: E402
+from sage_compile.kernels import triton as tk  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def run_sm90(args):
+    out, lse = poisoned_outputs(args)
+    sm90.run(args, out, lse)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def assert_matches_oracle(args):
+    assert sm90.supports(args) is None, sm90.supports(args)
+    out, lse = run_sm90(args)
+    return assert_close_to_oracle(args, out, lse, sm90.BLOCK_N, "sm90")
+
+
+@st.composite
+def cases(draw, causal):
+    hkv = draw(st.integers(1, 2))
+    batch = draw(st.integers(1, 2))
+    n_k = draw(st.sampled_from([1, 5, 16, 63, 127, 128, 129, 200, 256, 257, 384, 700, 1030]))
+    kv_lens = None
+    if draw(st.booleans()):
+        lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
+        kv_lens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+    return dict(
+        batch=batch, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
+        n_q=draw(st.sampled_from([1, 2, 17, 64, 65, 100, 128, 129, 200, 300, 513])), n_k=n_k,
+        d=draw(st.sampled_from([40, 64, 96, 128])),  # padded to 64 or 128
+        causal=causal, smooth_v=draw(st.booleans()), kv_lens=kv_lens, seed=draw(st.integers(0, 2**16)),
+        temperature=draw(st.sampled_from([0.5, 1.0, 3.0])),
+        out_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+    )
+
+
+@pytest.mark.parametrize("causal", [0, 1, 2])
+@settings(max_examples=20)
+@given(data=st.data())
+def test_matches_oracle(causal, data):
+    assert_matches_oracle(make_case(**data.draw(cases(causal))))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [0, 1, 2])
+def test_long_sequence_wraps_the_pipeline(d, causal):
+    """Many more key blocks than pipeline stages (every stage's barrier phase wraps several times)."""
+    args = make_case(1, 4, 2, 1100, 1500, d, causal=causal, smooth_v=True, seed=d + causal)
+    assert_matches_oracle(args)
+
+
+@pytest.mark.parametrize("causal", [0, 2])
+def test_agrees_with_triton_kernel(causal):
+    """Two implementations of one function (same block_n = 128): closer to each other than to the oracle's
+    bound."""
+    args = make_case(2, 8, 2, 777, 900, 128, causal=causal, smooth_v=True, seed=3)
+    out, lse = run_sm90(args)
+    ref_out, ref_lse = poisoned_outputs(args)
+    tk.run(args, ref_out, ref_lse, config=tk.Config(64, 128, 4, 3))
+    torch.cuda.synchronize()
+    assert rel_l1(out, ref_out) < 1e-3 and cosine(out, ref_out) > 0.99999
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_no_keys_and_empty_rows():
+    kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
+    out, lse = run_sm90(make_case(2, 2, 1, 33, 40, 64, smooth_v=True, kv_lens=kv_lens))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    args = make_case(1, 2, 2, 300, 70, 64, causal=2, seed=5)  # bottom-right, more queries than keys
+    out, lse = assert_matches_oracle(args)
+    assert torch.isinf(lse[:, :, :230]).all() and torch.isfinite(lse[:, :, 230:]).all()
+
+
+def test_cuda_graph_replay_equals_eager():
+    args = make_case(2, 8, 2, 500, 700, 128, causal=1, smooth_v=True, seed=11)
+    eager_out, eager_lse = run_sm90(args)
+    out, lse = poisoned_outputs(args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sm90.run(args, out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+    fresh = make_case(2, 8, 2, 500, 700, 128, causal=1, smooth_v=True, seed=12)
+    for name in ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean"):
+        getattr(args, name).copy_(getattr(fresh, name))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run_sm90(fresh)[0])
+
+
+def test_dispatch_prefers_sm90_and_falls_back_with_reasons():
+    args = make_case(1, 2, 1, 64, 64, 128)
+    module, _ = dispatch.choose(args)
+    assert module.NAME == "sm90"
+    for change, reason in (
+        (dict(attn_mask=torch.ones(1, 1, 64, 64, dtype=torch.bool, device=DEV)), "attn_mask"),
+        (dict(delta_s=torch.zeros(1, 2, 1, 64, device=DEV), q_group=128), "ΔS"),
+    ):
+        changed = dataclasses.replace(args, **change)
+        assert reason in sm90.supports(changed)
+        module, reasons = dispatch.choose(changed)
+        assert module.NAME == "triton" and reason in reasons["sm90"]
+    fp16 = make_case(1, 2, 1, 64, 64, 128, pv="fp16")
+    assert "float8" in sm90.supports(fp16)
+    big = make_case(1, 1, 1, 8, 8, 256)
+    assert "head dim" in sm90.supports(big)
+
+
+def test_kernel_info_reports_no_spills():
+    for d in sm90.HEAD_DIMS:
+        info = sm90.kernel_info(d)
+        assert info["local_bytes"] == 0, info  # no spills to local memory
+        assert info["registers"] <= 255 and info["threads"] >= 256
+
+
+ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_accuracy_vs_fp32_sdpa(causal):
+    results = {}
+    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
+        g = torch.Generator(device=DEV).manual_seed(1234)
+        q, k, v = (t.to(torch.bfloat16) for t in distribution(name, g, (1, 8, 4096, 128)))
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                   is_causal=bool(causal))
+        p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
+        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
+                          p.q_group, causal, 128, torch.bfloat16)
+        out, _ = run_sm90(args)
+        row = dict(cos=cosine(out, ref), rel_l1=rel_l1(out, ref),
+                   rmse=(out.double() - ref.double()).pow(2).mean().sqrt().item())
+        results[name] = row
+        print(f"[sm90 accuracy causal={causal}] {name:13s} cos={row['cos']:.6f} relL1={row['rel_l1']:.4f}")
+        assert row["cos"] >= cos_min and row["rel_l1"] <= rel_max, (name, row)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"accuracy_sm90_causal{causal}.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           shape=[1, 8, 4096, 128], causal=causal, results=results), f, indent=1)
