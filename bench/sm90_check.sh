@@ -12,9 +12,23 @@ so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
 echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
 python -c "from sage_compile.kernels import sm90; print({d: sm90.kernel_info(d) for d in sm90.HEAD_DIMS})"
+# Smoke test first: a hung kernel costs 30 s, not the whole call.
+timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
+import torch
+from sage_compile import spec
+from sage_compile.kernels import KernelArgs, sm90
+q, k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
+a = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, None, None, None, 128, 0, 128, torch.bfloat16)
+out = torch.full((1, 2, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+lse = torch.empty(1, 2, 300, device="cuda")
+sm90.run(a, out, lse); torch.cuda.synchronize()
+ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+print("smoke: cos", torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item())
+PY
 if [ "$mode" != bench ]; then
-  timeout 300 python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
+  timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
 fi
 if [ "$mode" != test ]; then
-  timeout 400 python -m bench.kernel_bench "$@" 2>&1 | tee "$OUT/kernel_bench.log" | tail -30
+  timeout ${BENCH_TIMEOUT:-300} python -m bench.kernel_bench "$@" 2>&1 | tee "$OUT/kernel_bench.log" | tail -30
 fi

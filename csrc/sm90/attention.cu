@@ -170,7 +170,10 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 constexpr int kConsumerThreads = 256;  // two consumer warpgroups
-constexpr int kProducerRegs = 64, kConsumerRegs = 224;  // 128·64 + 256·224 = 65536 (no spills in either)
+// The CTA launches with 168 registers per thread (65536 / 384, rounded down to 8): 128·56 + 256·224 =
+// 384·168 exactly. setmaxnreg.inc waits until the pool can cover it, so a larger sum deadlocks.
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 384 * 168, "register pool");
 constexpr int kTurnBarrier = 1;  // named barriers 1, 2: the consumer warpgroups' turns to issue wgmma
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
