@@ -32,3 +32,8 @@ fi
 if [ "$mode" != test ]; then
   timeout ${BENCH_TIMEOUT:-300} python -m bench.kernel_bench "$@" 2>&1 | tee "$OUT/kernel_bench.log" | tail -30
 fi
+if [ "$mode" = all ] && [ -n "${E2E_N:-}" ]; then  # end to end, sm90 vs Triton kernels behind the same fused prep
+  mkdir -p "$OUT/sm90" "$OUT/triton"
+  OUT=$OUT/sm90 timeout 200 python -m bench.e2e_bench --n "$E2E_N" --d 128 --causal 0,1 2>&1 | tail -8
+  OUT=$OUT/triton SAGE_KERNELS=triton,cpu,reference timeout 200 python -m bench.e2e_bench --n "$E2E_N" --d 128 --causal 0,1 2>&1 | tail -8
+fi

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import warnings
 from typing import Dict, List, Tuple
 
@@ -20,8 +21,22 @@ def _load(module_name: str):
         return None
 
 
+def kernel_order() -> Tuple[str, ...]:
+    """KERNEL_MODULES, or the subset and order named by SAGE_KERNELS (e.g. "triton,cpu"; for benchmarks
+    and for pinning one implementation). Unknown names are an error, not silently ignored."""
+    chosen = os.environ.get("SAGE_KERNELS", "").strip()
+    if not chosen:
+        return KERNEL_MODULES
+    by_short = {name.rsplit(".", 1)[-1]: name for name in KERNEL_MODULES}
+    names = [n.strip() for n in chosen.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_short]
+    if unknown:
+        raise ValueError(f"SAGE_KERNELS={chosen!r}: unknown kernel(s) {unknown}; known: {sorted(by_short)}")
+    return tuple(by_short[n] for n in names)
+
+
 def available_kernels() -> List[Tuple[str, object]]:
-    return [(name, _load(name)) for name in KERNEL_MODULES]
+    return [(name, _load(name)) for name in kernel_order()]
 
 
 def choose(args: KernelArgs):

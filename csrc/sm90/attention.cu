@@ -102,7 +102,9 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 
 // Keeps the compiler from touching accumulator registers across the asynchronous wgmma.
 template <int N>
@@ -176,6 +178,28 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 384 * 168, "register pool");
 constexpr int kTurnBarrier = 1;  // named barriers 1, 2: the consumer warpgroups' turns to issue wgmma
 
+// Tree reductions over one row's 32 values of this thread (depth 5 instead of a 32-long dependent chain:
+// a lone warp per scheduler runs the softmax, so latency, not issue, bounds it).
+template <typename Op>
+__device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, Op op) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = op(v[i], v[i + 8]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) v[i] = op(v[i], v[i + 2]);
+  return op(v[0], v[1]);
+}
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
 // max/sum, and P̂ packed in the e4m3 A layout of four k32 steps. Returns α for the O update.
 template <bool Masked>
@@ -203,11 +227,7 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
-    float mx = -INFINITY;
-    if constexpr (!Masked) {  // every score finite, δQ > 0: max_j S = δQ·max_j u, S − m' is one FMA
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, fmaxf(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]));
-    } else {
+    if constexpr (Masked) {
 #pragma unroll
       for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -216,9 +236,10 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
           const int key = k0 + 16 * (i >> 1) + 4 * t + 2 * (i & 1) + e;
           const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
           sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
-          mx = fmaxf(mx, sc[idx]);
         }
     }
+    // Unmasked: every score finite and δQ > 0, so max_j S = δQ·max_j u and S − m' is one FMA below.
+    float mx = tree_reduce_row(sc, hr, MaxOp());
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     float m_new, m_safe;
@@ -231,7 +252,6 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
     }
     alpha[hr] = exp2_approx(m[hr] - m_safe);
     m[hr] = m_new;
-    float sum = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -242,9 +262,8 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
         } else {
           sc[idx] = exp2_approx(sc[idx] - (m_safe - kLog2_448));
         }
-        sum += sc[idx];
       }
-    l[hr] = l[hr] * alpha[hr] + sum;
+    l[hr] = l[hr] * alpha[hr] + tree_reduce_row(sc, hr, SumOp());
   }
 #pragma unroll
   for (int kc = 0; kc < 4; ++kc) {
@@ -342,14 +361,16 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     uint32_t acc[64];
     float pv[kOut];
     mbarrier_wait(full_bar(j % kStages), (j / kStages) & 1);
-    named_barrier_sync(my_turn, kConsumerThreads);  // my turn: S_j and T_{j−1} back to back
+    named_barrier_sync(my_turn, kConsumerThreads);  // my turn: T_{j−1} and S_j back to back
     wgmma_fence();
-    issue_qk(acc, j);
     issue_pv(pv, j - 1);
     wgmma_commit();
+    issue_qk(acc, j);
+    wgmma_commit();
     named_barrier_arrive(other_turn, kConsumerThreads);
-    wgmma_wait_all();
+    wgmma_wait<1>();  // T_{j−1} done: fold it into O while S_j is still in the tensor cores
     accumulate(pv, j - 1);
+    wgmma_wait<0>();
     softmax(acc, j);
   }
   if (n_blocks > 0) {
