@@ -26,6 +26,14 @@ sm90.run(a, out, lse); torch.cuda.synchronize()
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
 print("smoke: cos", torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item())
 PY
+if [ "$mode" = profile ]; then  # stall reasons and pipe use of one launch (D=128, N=16K)
+  timeout 240 ncu -k regex:attention_kernel -c 1 --launch-skip 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis \
+    python tools/sm90_one_launch.py 16384 128 0 > "$OUT/ncu.txt" 2>&1; tail -120 "$OUT/ncu.txt" | cut -c1-150
+  xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout 280 python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  exit 0
+fi
 if [ "$mode" != bench ]; then
   timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
 fi

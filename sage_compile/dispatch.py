@@ -67,9 +67,13 @@ def run(args: KernelArgs, out, lse) -> str:
     return module.NAME
 
 
-@functools.lru_cache(maxsize=256)
 def kernel_for_site(device, padded_head_dim: int, pv: str, dtype):
     """Kernel a site on ``device`` would get, judged at compile time from zero-size stand-ins."""
+    return _kernel_for_site(kernel_order(), device, padded_head_dim, pv, dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_for_site(order, device, padded_head_dim: int, pv: str, dtype):
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -120,8 +120,12 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(out, run_sm90(fresh)[0])
 
 
-def test_dispatch_prefers_sm90_and_falls_back_with_reasons():
+def test_dispatch_order_and_fallback_reasons(monkeypatch):
+    """Triton is preferred while it is faster; SAGE_KERNELS puts sm90 first, and inputs sm90 does not cover
+    then fall through to Triton with sm90's reason recorded."""
     args = make_case(1, 2, 1, 64, 64, 128)
+    assert dispatch.choose(args)[0].NAME == "triton"
+    monkeypatch.setenv("SAGE_KERNELS", "sm90,triton,cpu,reference")
     module, _ = dispatch.choose(args)
     assert module.NAME == "sm90"
     for change, reason in (
