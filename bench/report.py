@@ -29,6 +29,30 @@ def _kernel_table(kernel) -> list:
     return lines
 
 
+def _sm90_table(data) -> list:
+    info = data["info"]
+    lines = [f"## Native sm90 kernel vs Triton vs SDPA — {info['device']}, torch {info['torch']}, "
+             f"triton {info['triton']}, cuDNN {info['cudnn']}", "",
+             f"Kernel only, same harness and run as the columns beside it ({info['timing']}). {info['note']} "
+             "Source: `kernel_bench_h100_sm90.json`.", "",
+             "| D | causal | N | sage sm90 | sage Triton | SDPA cuDNN | SDPA flash |", "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('sm90_tops', 0):.0f} | {r['triton_tops']:.0f} | "
+                     f"{r.get('cudnn_tops', 0):.0f} | {r.get('flash_tops', 0):.0f} |")
+    k128 = info["sm90_kernel"]["128"]
+    lines += ["", f"sm90 kernel (D=128): {k128['threads']} threads, {k128['registers']} registers at launch "
+              f"(setmaxnreg: 224 per consumer, 56 for the producer), {k128['local_bytes']} bytes local memory, "
+              f"{k128['dynamic_smem_bytes']} bytes dynamic shared memory. SASS (both head dims): "
+              + ", ".join(f"{k} {v}" for k, v in info["sm90_sass_mix_both_head_dims"].items())
+              + ". Profile of one D=128, N=16K launch: `ncu_sm90_h100.txt`.", "",
+              "Accuracy of the sm90 kernel vs fp32 SDPA (B=1, H=8, N=4096, D=128):", "",
+              "| causal | distribution | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|"]
+    for causal, acc in sorted(data["accuracy"].items()):
+        for name, a in acc["results"].items():
+            lines.append(f"| {causal} | {name} | {a['cos']:.6f} | {a['rel_l1']:.4f} | {a['rmse']:.2e} |")
+    return lines
+
+
 def _e2e_table(e2e, title) -> list:
     lines = [f"## {title} — {e2e['device']}, torch {e2e['torch']}, triton {e2e['triton']}", "",
              "Compiled `rope(q), rope(k) → SDPA` with backend=\"inductor\" (SDPA → cuDNN, compiled per shape) vs "
@@ -100,6 +124,9 @@ def main() -> int:
         lines += ["![TOPS vs N](tops.png)", ""]
     if kernel:
         lines += _kernel_table(kernel) + [""]
+    sm90 = _load("kernel_bench_h100_sm90.json")
+    if sm90:
+        lines += _sm90_table(sm90) + [""]
     if e2e:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:

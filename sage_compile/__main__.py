@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -12,9 +13,17 @@ def doctor(_args) -> int:
     from . import dispatch, spec
 
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    print("kernel preference: " + " > ".join(n.rsplit(".", 1)[-1] for n in dispatch.kernel_order())
+          + ("  (SAGE_KERNELS)" if os.environ.get("SAGE_KERNELS") else ""))
     for name, module in dispatch.available_kernels():
         short = name.rsplit(".", 1)[-1]
-        print(f"kernel {short:10s} {'available' if module is not None else 'not built / not importable'}")
+        status = "available" if module is not None else "not built / not importable"
+        if module is not None and hasattr(module, "kernel_info") and torch.cuda.is_available():
+            try:
+                status += "; " + ", ".join(f"D{d}: {module.kernel_info(d)}" for d in module.HEAD_DIMS)
+            except (RuntimeError, ValueError) as err:  # no usable device for it
+                status += f"; no kernel info ({err})"
+        print(f"kernel {short:10s} {status}")
     devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     for device in devices:
         label = str(device)

@@ -4,11 +4,14 @@
 // (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
 // 448 folded into the exponent.
 //
-// One CTA = 128 query rows of one (batch, query head): two consumer warpgroups of 64 rows each share
-// the K/V tiles of a multi-stage shared-memory pipeline (half the L2 traffic of one warpgroup per
-// CTA). Every thread issues cp.async for its share of the next tiles; completion lands on an mbarrier
-// per stage (cp.async.mbarrier.arrive.noinc), and a second mbarrier per stage says both warpgroups are
-// done with it. While one warpgroup runs its softmax the other's wgmmas keep the tensor cores busy.
+// One CTA = 128 query rows of one (batch, query head), 384 threads: a producer warpgroup (setmaxnreg 56)
+// copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64) with cp.async (completion
+// lands on a per-stage mbarrier through cp.async.mbarrier.arrive.noinc; a second mbarrier per stage says
+// both consumers are done with it); two consumer warpgroups (setmaxnreg 224) of 64 rows each share those
+// tiles (half the L2 traffic of one warpgroup per CTA) and take turns, through two named barriers, to
+// issue their wgmmas (FlashAttention-3's ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and
+// S_j = Q·K_jᵀ back to back, folds T into O while S_j is still running, then runs the softmax of block j
+// while the other warpgroup's products occupy the tensor cores.
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
 // QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants

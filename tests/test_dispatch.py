@@ -1,0 +1,46 @@
+"""Kernel choice: the preference order, SAGE_KERNELS, and each kernel's stated reason for refusing inputs."""
+import pytest
+import torch
+
+from sage_compile import dispatch, spec
+from sage_compile.kernels import KERNEL_MODULES, KernelArgs
+
+
+def _cpu_args(head_dim=64):
+    q, k, v = (torch.randn(1, 2, 8, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    p = spec.prepare(q, k, v, head_dim ** -0.5, spec.Quantization())
+    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
+                      p.q_group, 0, head_dim, torch.bfloat16)
+
+
+def test_default_order_is_by_measured_speed():
+    assert dispatch.kernel_order() == KERNEL_MODULES
+    names = [n.rsplit(".", 1)[-1] for n in KERNEL_MODULES]
+    assert names.index("triton") < names.index("sm90")  # sm90 is slower than Triton as measured (docs/notes.md)
+
+
+def test_sage_kernels_pins_order_and_rejects_unknown(monkeypatch):
+    monkeypatch.setenv("SAGE_KERNELS", "reference, cpu")
+    assert [n.rsplit(".", 1)[-1] for n in dispatch.kernel_order()] == ["reference", "cpu"]
+    module, _ = dispatch.choose(_cpu_args())
+    assert module.NAME == "reference"
+    assert dispatch.kernel_for_site(torch.device("cpu"), 64, "fp8", torch.bfloat16)[0] == "reference"
+    monkeypatch.setenv("SAGE_KERNELS", "cpu")
+    assert dispatch.kernel_for_site(torch.device("cpu"), 64, "fp8", torch.bfloat16)[0] == "cpu"  # not cached across
+    monkeypatch.setenv("SAGE_KERNELS", "cpu,warp_drive")
+    with pytest.raises(ValueError, match="warp_drive"):
+        dispatch.kernel_order()
+
+
+def test_cpu_inputs_get_the_cpu_kernel_with_reasons_from_gpu_kernels():
+    module, reasons = dispatch.choose(_cpu_args())
+    assert module.NAME == "cpu"
+    assert "CUDA" in reasons["triton"] or "not importable" in reasons["triton"]
+    assert "CUDA" in reasons["sm90"] or "not importable" in reasons["sm90"]
+
+
+def test_sm90_refuses_cpu_tensors_when_built():
+    sm90 = pytest.importorskip("sage_compile.kernels.sm90", reason="sage_compile._sm90 not built here")
+    assert "CUDA" in sm90.supports(_cpu_args())
+    with pytest.raises(ValueError):
+        sm90.run(_cpu_args(), torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8))
