@@ -52,7 +52,7 @@ __device__ __forceinline__ void wgmma_e4m3_rs_m64n{n}k32(float (&d)[{acc}], cons
 
 
 def main():
-    text = HEADER + qk_s8(128) + qk_s8(64) + pv_e4m3_rs(128) + pv_e4m3_rs(64) + "\n}  // namespace sage_sm90\n"
+    text = HEADER + qk_s8(128) + pv_e4m3_rs(128) + pv_e4m3_rs(64) + "\n}  // namespace sage_sm90\n"
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "sm90", "wgmma.cuh")
     with open(path, "w") as f:
         f.write(text)

@@ -1,18 +1,17 @@
 // sage.quantized_attention on Hopper (sm_90a): INT8 wgmma for QKᵀ, FP8 (e4m3) wgmma for PV, fp32 two-level
 // accumulation, online softmax in base 2 — the function of sage_compile/spec.py's
-// quantized_attention_reference with block_n = 64, computed in the order of the Triton kernel
+// quantized_attention_reference with block_n = 128, computed in the order of the Triton kernel
 // (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
 // 448 folded into the exponent.
 //
 // One CTA = 128 query rows of one (batch, query head), 384 threads: a producer warpgroup (setmaxnreg 56)
-// copies K, Vᵀ and δK of each 64-key block into a shared-memory ring (8 stages at D=128, 12 at D=64)
-// with cp.async (completion lands on a per-stage mbarrier through cp.async.mbarrier.arrive.noinc; a second mbarrier per stage says
+// copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64) with cp.async (completion
+// lands on a per-stage mbarrier through cp.async.mbarrier.arrive.noinc; a second mbarrier per stage says
 // both consumers are done with it); two consumer warpgroups (setmaxnreg 224) of 64 rows each share those
 // tiles (half the L2 traffic of one warpgroup per CTA) and take turns, through two named barriers, to
-// issue their wgmmas (FlashAttention-3's ping-pong). Within a warpgroup, iteration j issues
-// S_{j+1} = Q·K_{j+1}ᵀ and T_j = P̂_j·V̂_j back to back, runs the softmax of block j+1 as soon as S_{j+1}
-// lands (T_j still in the tensor cores; P̂ double-buffered), then folds T_j into O (two-level
-// accumulation). 64-key blocks are what make that fit in 224 registers: O 64 + T 64 + S 32 + P̂ 2·8.
+// issue their wgmmas (FlashAttention-3's ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and
+// S_j = Q·K_jᵀ back to back, folds T into O while S_j is still running, then runs the softmax of block j
+// while the other warpgroup's products occupy the tensor cores.
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
 // QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants
@@ -38,14 +37,13 @@
 namespace sage_sm90 {
 
 constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups × 64)
-constexpr int kBlockN = kKeyBlock;  // keys per pipeline stage (the oracle's block_n)
-constexpr int kAcc = kBlockN / 2;  // s32 registers of S (m64n64) per thread
+constexpr int kBlockN = 128;  // keys per pipeline stage (the oracle's block_n)
 constexpr float kLog2_448 = 8.807354922057604f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 template <int D>
 struct SmemLayout {
-  static constexpr int kStages = D == 128 ? 8 : 12;
+  static constexpr int kStages = D == 128 ? 4 : 6;
   static constexpr int kQBytes = kBlockM * D;
   static constexpr int kKBytes = kBlockN * D;
   static constexpr int kVBytes = D * kBlockN;
@@ -123,14 +121,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 
-// S = Q·Kᵀ for either key-block width (overloads on the accumulator size).
-__device__ __forceinline__ void wgmma_qk(uint32_t (&acc)[64], uint64_t a, uint64_t b, int accumulate) {
-  wgmma_s8_m64n128k32(acc, a, b, accumulate);
-}
-__device__ __forceinline__ void wgmma_qk(uint32_t (&acc)[32], uint64_t a, uint64_t b, int accumulate) {
-  wgmma_s8_m64n64k32(acc, a, b, accumulate);
-}
-
 // Keeps the compiler from touching accumulator registers across the asynchronous wgmma.
 template <int N>
 __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
@@ -206,17 +196,17 @@ constexpr int kTurnBarrier = 1;  // named barriers 1, 2: the consumer warpgroups
 // Tree reductions over one row's 32 values of this thread (depth 5 instead of a 32-long dependent chain:
 // a lone warp per scheduler runs the softmax, so latency, not issue, bounds it).
 template <typename Op>
-__device__ __forceinline__ float tree_reduce_row(const float (&sc)[kAcc], int hr, Op op) {
-  constexpr int kChunks = kBlockN / 8;
-  float v[kChunks];
+__device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, Op op) {
+  float v[16];
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
+  for (int i = 0; i < 16; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
 #pragma unroll
-  for (int width = kChunks / 2; width >= 1; width /= 2) {
+  for (int i = 0; i < 8; ++i) v[i] = op(v[i], v[i + 8]);
 #pragma unroll
-    for (int i = 0; i < width; ++i) v[i] = op(v[i], v[i + width]);
-  }
-  return v[0];
+  for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) v[i] = op(v[i], v[i + 2]);
+  return op(v[0], v[1]);
 }
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
@@ -226,17 +216,17 @@ struct SumOp {
 };
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
-// max/sum, and P̂ packed in the e4m3 A layout of the block's k32 steps; α (for the O update) out.
+// max/sum, and P̂ packed in the e4m3 A layout of four k32 steps. Returns α for the O update.
 template <bool Masked>
-__device__ __forceinline__ void softmax_block(const uint32_t (&acc)[kAcc], const float* ks_s, int t, int k0,
+__device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
                                               const int (&row)[2], const float (&q_scale)[2], int n_valid,
                                               int causal, int causal_offset, float (&m)[2], float (&l)[2],
-                                              float (&alpha)[2], uint32_t (&pa)[kBlockN / 32][4]) {
+                                              float (&alpha)[2], uint32_t (&pa)[4][4]) {
   // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
   // 16(i/2) + 4t + 2(i%2) + e; one float4 of δK serves the 4 keys 16G + 4t..4t+3.
-  float sc[kAcc];
+  float sc[64];
 #pragma unroll
-  for (int grp = 0; grp < kBlockN / 16; ++grp) {
+  for (int grp = 0; grp < 8; ++grp) {
     const float4 ks4 = *reinterpret_cast<const float4*>(ks_s + 16 * grp + 4 * t);
     const float ksv[4] = {ks4.x, ks4.y, ks4.z, ks4.w};
 #pragma unroll
@@ -254,7 +244,7 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[kAcc], const
   for (int hr = 0; hr < 2; ++hr) {
     if constexpr (Masked) {
 #pragma unroll
-      for (int i = 0; i < kBlockN / 8; ++i)
+      for (int i = 0; i < 16; ++i)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * i + 2 * hr + e;
@@ -278,7 +268,7 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[kAcc], const
     alpha[hr] = exp2_approx(m[hr] - m_safe);
     m[hr] = m_new;
 #pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i)
+    for (int i = 0; i < 16; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int idx = 4 * i + 2 * hr + e;
@@ -291,7 +281,7 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[kAcc], const
     l[hr] = l[hr] * alpha[hr] + tree_reduce_row(sc, hr, SumOp());
   }
 #pragma unroll
-  for (int kc = 0; kc < kBlockN / 32; ++kc) {
+  for (int kc = 0; kc < 4; ++kc) {
     const int i0 = 4 * kc;
     pa[kc][0] = pack_e4m3x4(sc[4 * i0 + 0], sc[4 * i0 + 1], sc[4 * i0 + 4], sc[4 * i0 + 5]);
     pa[kc][1] = pack_e4m3x4(sc[4 * i0 + 2], sc[4 * i0 + 3], sc[4 * i0 + 6], sc[4 * i0 + 7]);
@@ -330,23 +320,20 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
   for (int i = 0; i < kOut; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};  // this thread's share of the row sums (reduced over the quad at the end)
-  float alpha[2] = {1.f, 1.f};       // α of the block whose T is folded into O next
-  float alpha_next[2] = {1.f, 1.f};  // α of the block whose softmax just ran
-  uint32_t pa_even[kBlockN / 32][4];  // P̂ of even blocks (read by their PV wgmma)
-  uint32_t pa_odd[kBlockN / 32][4];   // P̂ of odd blocks: written by one block's softmax while the other's
-                                      // PV wgmma still reads its buffer
+  float alpha[2] = {1.f, 1.f};
+  uint32_t pa[4][4];
 
   // Every warpgroup walks all n_blocks of the CTA (a causal warpgroup whose rows see fewer keys masks
   // them): the wgmmas then sit on no divergent path, and both warpgroups take the same number of turns.
-  auto issue_qk = [&](uint32_t (&acc)[kAcc], int j) {
+  auto issue_qk = [&](uint32_t (&acc)[64], int j) {
     const uint64_t desc_k = smem_descriptor(sK + (j % kStages) * L::kKBytes, D);
 #pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) wgmma_qk(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+    for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
   };
-  auto issue_pv = [&](float (&pv)[kOut], const uint32_t (&pa)[kBlockN / 32][4], int j) {
-    const uint64_t desc_v = smem_descriptor(sV + (j % kStages) * L::kVBytes, kBlockN);
+  auto issue_pv = [&](float (&pv)[kOut], int j) {
+    const uint64_t desc_v = smem_descriptor(sV + (j % kStages) * L::kVBytes, 128);
 #pragma unroll
-    for (int kc = 0; kc < kBlockN / 32; ++kc) {
+    for (int kc = 0; kc < 4; ++kc) {
       if constexpr (D == 128) {
         wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
       } else {
@@ -360,86 +347,56 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     for (int i = 0; i < kOut; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];
     mbarrier_arrive(empty_bar(j % kStages));
   };
-  auto softmax = [&](uint32_t (&acc)[kAcc], int j, uint32_t (&pa_next)[kBlockN / 32][4]) {  // block j
+  auto softmax = [&](uint32_t (&acc)[64], int j) {
     fence_registers(acc);
     const int k0 = j * kBlockN;
     const float* ks_s = k_scale_smem + (j % kStages) * kBlockN;
     const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
     if (masked) {
-      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha_next,
-                          pa_next);
+      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
     } else {
-      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha_next,
-                           pa_next);
+      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
     }
-  };
-  auto promote = [&]() {  // the block just softmaxed is the next one folded into O
-    alpha[0] = alpha_next[0];
-    alpha[1] = alpha_next[1];
   };
   const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
 
-  // Intra-warpgroup overlap (FlashAttention-3): iteration j issues S_{j+1} and T_j = P̂_j·V̂_j in one turn,
-  // runs the softmax of block j+1 as soon as S_{j+1} lands (T_j still in the tensor cores), then folds T_j
-  // into O. P̂ is double-buffered because T_j's wgmma reads its registers while the next P̂ is made.
   if (n_blocks > 0) {
     if (wg == 1) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);  // warpgroup 0 goes first
-    uint32_t acc[kAcc];
+    uint32_t acc[64];
     mbarrier_wait(full_bar(0), 0);
     named_barrier_sync(my_turn, kConsumerThreads);
     wgmma_fence();
     issue_qk(acc, 0);
     wgmma_commit();
     named_barrier_arrive(other_turn, kConsumerThreads);
-    wgmma_wait<0>();
-    softmax(acc, 0, pa_even);
-    promote();
+    wgmma_wait_all();
+    softmax(acc, 0);
   }
-  // One step: T_j from `cur` and S_{j+1} into `next` (the loop is unrolled by two so that both buffers
-  // are named at compile time: no register-array indexing, no copies).
-  auto step = [&](int j, uint32_t (&cur)[kBlockN / 32][4], uint32_t (&next)[kBlockN / 32][4]) {
-    uint32_t acc[kAcc];
+  for (int j = 1; j < n_blocks; ++j) {
+    uint32_t acc[64];
     float pv[kOut];
-    mbarrier_wait(full_bar((j + 1) % kStages), ((j + 1) / kStages) & 1);
-    named_barrier_sync(my_turn, kConsumerThreads);
+    mbarrier_wait(full_bar(j % kStages), (j / kStages) & 1);
+    named_barrier_sync(my_turn, kConsumerThreads);  // my turn: T_{j−1} and S_j back to back
     wgmma_fence();
-    issue_qk(acc, j + 1);
+    issue_pv(pv, j - 1);
     wgmma_commit();
-    issue_pv(pv, cur, j);
+    issue_qk(acc, j);
     wgmma_commit();
     named_barrier_arrive(other_turn, kConsumerThreads);
-    wgmma_wait<1>();  // S_{j+1} landed; T_j may still run
-    softmax(acc, j + 1, next);
+    wgmma_wait<1>();  // T_{j−1} done: fold it into O while S_j is still in the tensor cores
+    accumulate(pv, j - 1);
     wgmma_wait<0>();
-#pragma unroll
-    for (int kc = 0; kc < kBlockN / 32; ++kc) fence_registers(cur[kc]);  // read by T_j until here
-    accumulate(pv, j);
-    promote();
-  };
-  int j = 0;
-  for (; j + 2 < n_blocks; j += 2) {
-    step(j, pa_even, pa_odd);
-    step(j + 1, pa_odd, pa_even);
+    softmax(acc, j);
   }
-  if (j + 1 < n_blocks) {
-    step(j, pa_even, pa_odd);
-    ++j;
-  }
-  if (n_blocks > 0) {  // j = n_blocks − 1: its P̂ is in pa_even if j is even, else in pa_odd
+  if (n_blocks > 0) {
     float pv[kOut];
-    if (j % 2 != 0) {  // move the odd buffer over, so that the wgmma below sits on no branch
-#pragma unroll
-      for (int kc = 0; kc < kBlockN / 32; ++kc)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa_even[kc][r] = pa_odd[kc][r];
-    }
     named_barrier_sync(my_turn, kConsumerThreads);
     wgmma_fence();
-    issue_pv(pv, pa_even, j);
+    issue_pv(pv, n_blocks - 1);
     wgmma_commit();
     if (wg == 0) named_barrier_arrive(other_turn, kConsumerThreads);  // warpgroup 1 takes the last turn
-    wgmma_wait<0>();
-    accumulate(pv, j);
+    wgmma_wait_all();
+    accumulate(pv, n_blocks - 1);
   }
 
   // Epilogue: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
@@ -538,7 +495,7 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
   __syncthreads();
 
   if (wg == 2) {
-    // ---------------- producer: K rows permuted (k_row_of_key), Vᵀ rows [D][64 keys], δK -----------------
+    // ---------------- producer: K rows permuted (k_row_of_key), Vᵀ rows [D][128 keys], δK ----------------
     setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - kConsumerThreads;
     const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
@@ -560,14 +517,12 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
       }
 #pragma unroll 2
       for (int i = 0; i < D * (kBlockN / 16) / 128; ++i) {
-        const int idx = pt + i * 128, d = idx / (kBlockN / 16), c = idx % (kBlockN / 16);
+        const int idx = pt + i * 128, d = idx >> 3, c = idx & 7;
         const bool ok = k0 + c * 16 < p.nkp;
-        cp_async_16(dV + swizzled<kBlockN>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
+        cp_async_16(dV + swizzled<128>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
       }
-      if (pt < kBlockN) {
-        const bool ok = k0 + pt < p.nk;
-        cp_async_4(dKS + pt * 4, ok ? ks_g + k0 + pt : ks_g, ok);
-      }
+      const bool ok = k0 + pt < p.nk;
+      cp_async_4(dKS + pt * 4, ok ? ks_g + k0 + pt : ks_g, ok);
       cp_async_arrive(full_bar(s));
     }
     cp_async_wait_all();

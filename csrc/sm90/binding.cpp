@@ -88,5 +88,5 @@ PYBIND11_MODULE(_sm90, m) {
         py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"));
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"));
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
-  m.attr("BLOCK_N") = sage_sm90::kKeyBlock;
+  m.attr("BLOCK_N") = 128;
 }

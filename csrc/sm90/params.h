@@ -7,9 +7,6 @@ namespace sage_sm90 {
 
 enum OutDtype : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
 
-// Keys per online-softmax block (the oracle's block_n): the kernel's function depends on it.
-constexpr int kKeyBlock = 64;
-
 struct Params {
   const int8_t* q;         // [B, Hq, Nq, Dp] int8, last dim contiguous, rows 16-byte aligned
   const float* q_scale;    // [B, Hq, Nq] fp32 (includes softmax scale · log2 e)
