@@ -11,7 +11,7 @@ grep -E "nvcc|WARNING" "$OUT/install.log" | grep -v "^ *$" | cut -c1-300 | tail 
 so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"; exit 1; }
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
 echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
-python -c "from sage_compile.kernels import sm90; print({d: sm90.kernel_info(d) for d in sm90.HEAD_DIMS})"
+python -c "from sage_compile.kernels import sm90; print({(d, v): sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS for v in (0, 1)})"
 # Smoke test first: a hung kernel costs 30 s, not the whole call.
 timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
 import torch
@@ -22,9 +22,12 @@ p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
 a = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, None, None, None, 128, 0, 128, torch.bfloat16)
 out = torch.full((1, 2, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
 lse = torch.empty(1, 2, 300, device="cuda")
-sm90.run(a, out, lse); torch.cuda.synchronize()
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-print("smoke: cos", torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item())
+for variant in (0, 1):
+    out.fill_(float("nan"))
+    sm90.run(a, out, lse, variant); torch.cuda.synchronize()
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+    print(f"smoke variant {variant}: cos {cos:.6f}")
 PY
 if [ "$mode" = profile ]; then  # stall reasons and pipe use of one launch (D=128, N=16K)
   timeout 240 ncu -k regex:attention_kernel -c 1 --launch-skip 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \

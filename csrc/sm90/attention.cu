@@ -290,6 +290,46 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
   }
 }
 
+// Epilogue of a consumer thread's two rows: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
+template <int D>
+__device__ __forceinline__ void store_output(const Params& p, const float (&o)[D / 2], const float (&m)[2],
+                                             const float (&l)[2], const int (&row)[2], int t, int b, int h,
+                                             int hk) {
+  const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
+  const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float lsum = l[hr];
+    lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
+    if (row[hr] >= p.nq) continue;
+    const bool has_keys = lsum > 0.f;
+    const float inv = has_keys ? 1.f / lsum : 0.f;
+    const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = 8 * i + 2 * t + e;
+        if (d >= p.head_dim) continue;
+        float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
+        if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
+        const int64_t at = out_row + d * p.o_sd;
+        if (p.out_dtype == kOutBF16) {
+          static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
+        } else if (p.out_dtype == kOutFP16) {
+          static_cast<__half*>(p.out)[at] = __float2half_rn(val);
+        } else {
+          static_cast<float*>(p.out)[at] = val;
+        }
+      }
+    if (t == 0) {
+      p.lse[b * p.lse_sb + h * p.lse_sh + row[hr]] =
+          has_keys ? (m[hr] + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
 template <int D>
 __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t base, int tid, int wg, int b, int h,
                                         int hk, int q0, int n_valid, int n_blocks) {
@@ -399,40 +439,7 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     accumulate(pv, n_blocks - 1);
   }
 
-  // Epilogue: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
-  const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
-  const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    float lsum = l[hr];
-    lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
-    if (row[hr] >= p.nq) continue;
-    const bool has_keys = lsum > 0.f;
-    const float inv = has_keys ? 1.f / lsum : 0.f;
-    const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = 8 * i + 2 * t + e;
-        if (d >= p.head_dim) continue;
-        float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
-        if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
-        const int64_t at = out_row + d * p.o_sd;
-        if (p.out_dtype == kOutBF16) {
-          static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
-        } else if (p.out_dtype == kOutFP16) {
-          static_cast<__half*>(p.out)[at] = __float2half_rn(val);
-        } else {
-          static_cast<float*>(p.out)[at] = val;
-        }
-      }
-    if (t == 0) {
-      p.lse[b * p.lse_sb + h * p.lse_sh + row[hr]] =
-          has_keys ? (m[hr] + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
-    }
-  }
+  store_output<D>(p, o, m, l, row, t, b, h, hk);
 }
 
 // Warp-specialized: warpgroup 2 produces (cp.async of K, Vᵀ, δK into the stages), warpgroups 0 and 1
@@ -532,48 +539,225 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Variant 1: one warpgroup per CTA (64 query rows, 128 threads, two CTAs per SM), the Triton kernel's
+// shape: no producer, no ping-pong; the two resident CTAs overlap each other's softmax and wgmmas. Every
+// thread issues its share of the next block's cp.async (classic multistage pipeline: commit groups,
+// wait_group, one barrier per block). Same numerics as the warp-specialized kernel.
+// ---------------------------------------------------------------------------------------------------
+constexpr int kBlockM1 = 64;
+
+template <int D>
+struct SmemLayout1 {
+  static constexpr int kStages = 3;
+  static constexpr int kQBytes = kBlockM1 * D;
+  static constexpr int kKBytes = kBlockN * D;
+  static constexpr int kVBytes = D * kBlockN;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kQBytes;
+  static constexpr int kV = kK + kStages * kKBytes;
+  static constexpr int kKScale = kV + kStages * kVBytes;
+  static constexpr int kBytes = kKScale + kStages * kBlockN * 4;
+  static constexpr int kDynamic = kBytes + 1024;
+};
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <int D>
+__global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_constant__ Params p) {
+  using L = SmemLayout1<D>;
+  constexpr int kStages = L::kStages;
+  constexpr int kChunks = D / 16;
+  constexpr int kOut = D / 2;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + L::kQ, sK = base + L::kK, sV = base + L::kV, sKS = base + L::kKScale;
+  const float* k_scale_smem = reinterpret_cast<const float*>(smem + L::kKScale);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int bh = blockIdx.y;
+  const int b = bh / p.hq, h = bh % p.hq, hk = h / (p.hq / p.hkv);
+  const int q0 = q_block * kBlockM1;
+
+  int n_valid = p.nk;
+  if (p.kv_lens != nullptr) {
+    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[b]
+                                          : static_cast<const int32_t*>(p.kv_lens)[b];
+    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
+  }
+  int key_end = n_valid;
+  if (p.causal) key_end = min(key_end, min(q0 + kBlockM1, p.nq) + p.causal_offset);
+  key_end = max(key_end, 0);
+  n_valid = __shfl_sync(0xffffffff, n_valid, 0);
+  const int n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
+
+  const int8_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
+  const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
+  const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+  const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
+  const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
+
+#pragma unroll
+  for (int i = 0; i < kBlockM1 * kChunks / 128; ++i) {
+    const int idx = tid + i * 128, r = idx / kChunks, c = idx % kChunks;
+    const bool ok = q0 + r < p.nq;
+    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (q0 + r) * p.q_sn + c * 16 : q_g, ok);
+  }
+  auto load_block = [&](int j) {
+    const int s = j % kStages, k0 = j * kBlockN;
+    const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
+    const int8_t* k_blk = k_g + k0 * p.k_sn;
+    const uint8_t* v_blk = v_g + k0;
+#pragma unroll
+    for (int i = 0; i < kBlockN * kChunks / 128; ++i) {
+      const int idx = tid + i * 128, n = idx / kChunks, c = idx % kChunks;
+      const bool ok = k0 + n < p.nk;
+      cp_async_16(dK + swizzled<D>(k_row_of_key(n), c), ok ? k_blk + n * k_row + c * 16 : k_g, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < D * (kBlockN / 16) / 128; ++i) {
+      const int idx = tid + i * 128, d = idx >> 3, c = idx & 7;
+      const bool ok = k0 + c * 16 < p.nkp;
+      cp_async_16(dV + swizzled<128>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
+    }
+    const bool ok = k0 + tid < p.nk;
+    cp_async_4(dKS + tid * 4, ok ? ks_g + k0 + tid : ks_g, ok);
+  };
+  // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < n_blocks) load_block(j);
+    cp_async_commit();
+  }
+
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  float q_scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    q_scale[r] = row[r] < p.nq ? p.q_scale[b * p.qs_sb + h * p.qs_sh + row[r]] : 0.f;
+  const uint64_t desc_q = smem_descriptor(sQ, D);
+
+  float o[kOut];
+#pragma unroll
+  for (int i = 0; i < kOut; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};
+  float alpha[2];
+  uint32_t pa[4][4];
+
+  for (int j = 0; j < n_blocks; ++j) {
+    const int s = j % kStages, k0 = j * kBlockN;
+    cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
+    fence_proxy_async();
+    __syncthreads();  // everyone's have, and everyone is done with block j − 1's stage
+    if (j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
+    cp_async_commit();
+
+    uint32_t acc[64];
+    const uint64_t desc_k = smem_descriptor(sK + s * L::kKBytes, D);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc);
+    const float* ks_s = k_scale_smem + s * kBlockN;
+    const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > q0 + p.causal_offset);
+    if (masked) {
+      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+    } else {
+      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+    }
+    float pv[kOut];
+    const uint64_t desc_v = smem_descriptor(sV + s * L::kVBytes, 128);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      if constexpr (D == 128) {
+        wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
+      } else {
+        wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(pv);
+#pragma unroll
+    for (int i = 0; i < kOut; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];  // two-level accumulation
+  }
+  cp_async_wait<0>();
+  store_output<D>(p, o, m, l, row, t, b, h, hk);
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Host
 // ---------------------------------------------------------------------------------------------------
-template <int D>
-static cudaError_t launch_for(const Params& p, cudaStream_t stream) {
-  constexpr int kSmem = SmemLayout<D>::kDynamic;
+template <typename Kernel>
+static cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configured) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  static unsigned configured = 0;  // one bit per device (≤ 32 devices)
-  if (device >= 32 || !(configured & (1u << device))) {
-    err = cudaFuncSetAttribute(attention_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (device >= 32 || !(configured & (1u << device))) {  // one bit per device (≤ 32 devices)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
     if (device < 32) configured |= 1u << device;
   }
+  return cudaSuccess;
+}
+
+template <int D>
+static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant) {
+  if (variant == 1) {
+    static unsigned configured = 0;
+    constexpr int kSmem = SmemLayout1<D>::kDynamic;
+    cudaError_t err = allow_smem(attention_kernel_1wg<D>, kSmem, configured);
+    if (err != cudaSuccess) return err;
+    const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
+    attention_kernel_1wg<D><<<grid, 128, kSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  static unsigned configured = 0;
+  constexpr int kSmem = SmemLayout<D>::kDynamic;
+  cudaError_t err = allow_smem(attention_kernel<D>, kSmem, configured);
+  if (err != cudaSuccess) return err;
   const dim3 grid((p.nq + kBlockM - 1) / kBlockM, p.batch * p.hq);
   attention_kernel<D><<<grid, kConsumerThreads + 128, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
-const char* launch(const Params& p, int64_t stream) {
+const char* launch(const Params& p, int64_t stream, int variant) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
+  if (variant != 0 && variant != 1) return "sm90 kernel: variant must be 0 (warp-specialized) or 1 (one warpgroup)";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
-    err = launch_for<128>(p, s);
+    err = launch_for<128>(p, s, variant);
   } else if (p.head_dim_padded == 64) {
-    err = launch_for<64>(p, s);
+    err = launch_for<64>(p, s, variant);
   } else {
     return "sm90 kernel: padded head dim must be 64 or 128";
   }
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-bool kernel_info(int head_dim_padded, int* regs, int* local_bytes, int* dynamic_smem, int* max_threads) {
+bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
+                 int* max_threads) {
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {
-    err = cudaFuncGetAttributes(&attr, attention_kernel<128>);
-    *dynamic_smem = SmemLayout<128>::kDynamic;
+    err = variant == 1 ? cudaFuncGetAttributes(&attr, attention_kernel_1wg<128>)
+                       : cudaFuncGetAttributes(&attr, attention_kernel<128>);
+    *dynamic_smem = variant == 1 ? SmemLayout1<128>::kDynamic : SmemLayout<128>::kDynamic;
   } else if (head_dim_padded == 64) {
-    err = cudaFuncGetAttributes(&attr, attention_kernel<64>);
-    *dynamic_smem = SmemLayout<64>::kDynamic;
+    err = variant == 1 ? cudaFuncGetAttributes(&attr, attention_kernel_1wg<64>)
+                       : cudaFuncGetAttributes(&attr, attention_kernel<64>);
+    *dynamic_smem = variant == 1 ? SmemLayout1<64>::kDynamic : SmemLayout<64>::kDynamic;
   } else {
     return false;
   }

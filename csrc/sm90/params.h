@@ -35,10 +35,13 @@ struct Params {
 };
 
 // Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.
-const char* launch(const Params& p, int64_t stream);
+// variant 0: warp-specialized (producer + two ping-pong consumer warpgroups, 128 rows per CTA);
+// variant 1: one warpgroup per CTA (64 rows, two CTAs per SM). Same function (block_n 128).
+const char* launch(const Params& p, int64_t stream, int variant);
 
 // Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
 // one padded head dim; false when that head dim has no kernel.
-bool kernel_info(int head_dim_padded, int* regs, int* local_bytes, int* dynamic_smem, int* max_threads);
+bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
+                 int* max_threads);
 
 }  // namespace sage_sm90

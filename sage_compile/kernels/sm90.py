@@ -9,6 +9,7 @@ the dispatcher moves on to the Triton kernel. Importing fails when the extension
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -19,6 +20,19 @@ from . import KernelArgs, check_inputs
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
 HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
+# Two launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
+# 128 rows per CTA), 1 = one warpgroup per CTA (64 rows, two CTAs per SM). SAGE_SM90_VARIANT picks one.
+VARIANTS = tuple(_sm90.VARIANTS)
+DEFAULT_VARIANT = 0
+
+
+def variant() -> int:
+    text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
+    if not text:
+        return DEFAULT_VARIANT
+    if text not in ("0", "1"):
+        raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected 0 ({VARIANTS[0]}) or 1 ({VARIANTS[1]})")
+    return int(text)
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID_Y = 65535
 
@@ -78,7 +92,7 @@ def _strides(t: Optional[torch.Tensor]):
     return None if t is None else tuple(t.stride())
 
 
-def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: Optional[int] = None) -> None:
     """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync."""
     check_inputs(args, out, lse, "cuda")
     reason = supports(args)
@@ -103,9 +117,10 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
+        variant=variant() if launch_variant is None else launch_variant,
     )
 
 
-def kernel_info(padded_head_dim: int) -> dict:
+def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel."""
-    return dict(_sm90.kernel_info(padded_head_dim))
+    return dict(_sm90.kernel_info(padded_head_dim, variant() if launch_variant is None else launch_variant))
