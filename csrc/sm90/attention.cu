@@ -442,6 +442,60 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
   store_output<D>(p, o, m, l, row, t, b, h, hk);
 }
 
+// The copies of one key block into a stage, issued by 128 threads: K rows permuted (k_row_of_key), Vᵀ rows
+// [D][128 keys], δK. Each thread's chunks sit at fixed offsets from the block's base (the row permutation
+// and the swizzle repeat every 16 rows), so the offsets are computed once; a block wholly inside Nk needs
+// no bounds checks. (Recomputing them per block cost ~15% of the loop's instructions.)
+template <int D>
+struct BlockCopier {
+  static constexpr int kChunks = D / 16;                    // 16-byte chunks per K row
+  static constexpr int kKRowsPerStep = 128 / kChunks;       // K rows covered by one pass of 128 threads
+  static constexpr int kKSteps = kBlockN * kChunks / 128;
+  static constexpr int kVSteps = D * (kBlockN / 16) / 128;  // 16 Vᵀ rows of 8 chunks per pass
+  uint32_t k_soff, v_soff;  // shared-memory byte offsets of this thread's first K and V chunk in a stage
+  int k_n0, k_goff, v_goff, v_c16, lane;
+
+  __device__ __forceinline__ BlockCopier(int t, int k_row, int v_row) : lane(t) {
+    k_n0 = t / kChunks;
+    const int kc = t % kChunks;
+    k_soff = swizzled<D>(k_row_of_key(k_n0), kc);
+    k_goff = k_n0 * k_row + kc * 16;
+    const int d0 = t >> 3, vc = t & 7;
+    v_soff = swizzled<128>(d0, vc);
+    v_goff = d0 * v_row + vc * 16;
+    v_c16 = vc * 16;
+  }
+
+  __device__ __forceinline__ void issue(const Params& p, int k0, uint32_t dK, uint32_t dV, uint32_t dKS,
+                                        const int8_t* k_g, const uint8_t* v_g, const float* ks_g, int k_row,
+                                        int v_row) const {
+    const int8_t* k_blk = k_g + k0 * p.k_sn;
+    const uint8_t* v_blk = v_g + k0;
+    if (k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
+#pragma unroll
+      for (int i = 0; i < kKSteps; ++i)
+        cp_async_16(dK + k_soff + i * kKRowsPerStep * D, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
+#pragma unroll
+      for (int i = 0; i < kVSteps; ++i) cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + i * 16 * v_row, true);
+      if (lane < kBlockN) cp_async_4(dKS + lane * 4, ks_g + k0 + lane, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kKSteps; ++i) {
+        const bool ok = k0 + k_n0 + i * kKRowsPerStep < p.nk;
+        cp_async_16(dK + k_soff + i * kKRowsPerStep * D, ok ? k_blk + k_goff + i * kKRowsPerStep * k_row : k_g, ok);
+      }
+      const bool v_ok = k0 + v_c16 < p.nkp;
+#pragma unroll
+      for (int i = 0; i < kVSteps; ++i)
+        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + i * 16 * v_row : v_g, v_ok);
+      if (lane < kBlockN) {
+        const bool ok = k0 + lane < p.nk;
+        cp_async_4(dKS + lane * 4, ok ? ks_g + k0 + lane : ks_g, ok);
+      }
+    }
+  }
+};
+
 // Warp-specialized: warpgroup 2 produces (cp.async of K, Vᵀ, δK into the stages), warpgroups 0 and 1
 // consume, taking turns to issue their wgmmas (named barriers, FlashAttention-3's ping-pong) so that one
 // warpgroup's softmax runs while the other's matrix products occupy the tensor cores. Iteration j of a
@@ -509,27 +563,13 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
     const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
     const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
     const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
+    const BlockCopier<D> copier(pt, k_row, v_row);
     for (int j = 0; j < n_blocks; ++j) {
       const int s = j % kStages;
       if (j >= kStages) mbarrier_wait_sleeping(empty_bar(s), ((j / kStages) - 1) & 1);
       const int k0 = j * kBlockN;
       const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
-      const int8_t* k_blk = k_g + k0 * p.k_sn;  // row offsets within a block fit 32 bits (sm90.py checks)
-      const uint8_t* v_blk = v_g + k0;
-#pragma unroll 2
-      for (int i = 0; i < kBlockN * kChunks / 128; ++i) {
-        const int idx = pt + i * 128, n = idx / kChunks, c = idx % kChunks;
-        const bool ok = k0 + n < p.nk;
-        cp_async_16(dK + swizzled<D>(k_row_of_key(n), c), ok ? k_blk + n * k_row + c * 16 : k_g, ok);
-      }
-#pragma unroll 2
-      for (int i = 0; i < D * (kBlockN / 16) / 128; ++i) {
-        const int idx = pt + i * 128, d = idx >> 3, c = idx & 7;
-        const bool ok = k0 + c * 16 < p.nkp;
-        cp_async_16(dV + swizzled<128>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
-      }
-      const bool ok = k0 + pt < p.nk;
-      cp_async_4(dKS + pt * 4, ok ? ks_g + k0 + pt : ks_g, ok);
+      copier.issue(p, k0, dK, dV, dKS, k_g, v_g, ks_g, k_row, v_row);  // 32-bit in-block offsets: sm90.py checks
       cp_async_arrive(full_bar(s));
     }
     cp_async_wait_all();
@@ -609,25 +649,11 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
     const bool ok = q0 + r < p.nq;
     cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (q0 + r) * p.q_sn + c * 16 : q_g, ok);
   }
+  const BlockCopier<D> copier(tid, k_row, v_row);
   auto load_block = [&](int j) {
-    const int s = j % kStages, k0 = j * kBlockN;
-    const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
-    const int8_t* k_blk = k_g + k0 * p.k_sn;
-    const uint8_t* v_blk = v_g + k0;
-#pragma unroll
-    for (int i = 0; i < kBlockN * kChunks / 128; ++i) {
-      const int idx = tid + i * 128, n = idx / kChunks, c = idx % kChunks;
-      const bool ok = k0 + n < p.nk;
-      cp_async_16(dK + swizzled<D>(k_row_of_key(n), c), ok ? k_blk + n * k_row + c * 16 : k_g, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < D * (kBlockN / 16) / 128; ++i) {
-      const int idx = tid + i * 128, d = idx >> 3, c = idx & 7;
-      const bool ok = k0 + c * 16 < p.nkp;
-      cp_async_16(dV + swizzled<128>(d, c), ok ? v_blk + d * v_row + c * 16 : v_g, ok);
-    }
-    const bool ok = k0 + tid < p.nk;
-    cp_async_4(dKS + tid * 4, ok ? ks_g + k0 + tid : ks_g, ok);
+    const int s = j % kStages;
+    copier.issue(p, j * kBlockN, sK + s * L::kKBytes, sV + s * L::kVBytes, sKS + s * kBlockN * 4, k_g, v_g, ks_g,
+                 k_row, v_row);
   };
   // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
 #pragma unroll
