@@ -39,7 +39,7 @@ class KernelArgs:
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
 # breaks import). The native sm90 kernel comes after Triton until it is faster than it (docs/notes.md: on an
-# H100 it reached ~610 TOPS at D=128 against Triton's ~680); SAGE_KERNELS=sm90,triton,... pins it first.
+# H100 it is level with Triton at D=128 from 16K keys, behind at 4K); SAGE_KERNELS=sm90,triton,... pins it.
 KERNEL_MODULES = (
     "sage_compile.kernels.triton",
     "sage_compile.kernels.sm90",
