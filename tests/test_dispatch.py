@@ -40,7 +40,10 @@ def test_cpu_inputs_get_the_cpu_kernel_with_reasons_from_gpu_kernels():
 
 
 def test_sm90_refuses_cpu_tensors_when_built():
-    sm90 = pytest.importorskip("sage_compile.kernels.sm90", reason="sage_compile._sm90 not built here")
+    try:
+        from sage_compile.kernels import sm90
+    except ImportError:  # the extension is built only where nvcc and a Hopper GPU (or SAGE_CUDA_ARCHS) exist
+        pytest.skip("sage_compile._sm90 not built here")
     assert "CUDA" in sm90.supports(_cpu_args())
     with pytest.raises(ValueError):
         sm90.run(_cpu_args(), torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8))
