@@ -134,6 +134,16 @@ def main() -> int:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:
         lines += _e2e_table(static, "End to end, static shapes (sage and prep compiled per shape)") + [""]
+    spec_acc = _load("accuracy_spec_cpu.json")
+    if spec_acc:
+        lines += [f"## Accuracy of the numerics spec itself — {spec_acc['device']}, torch {spec_acc['torch']}", "",
+                  f"`tools/accuracy_cpu.py`: {spec_acc['kernel']}, output {spec_acc['output_dtype']}, shape "
+                  f"{spec_acc['shape']}, vs fp32 SDPA; issue 4's bar: cos ≥ {spec_acc['bar']['cos']}, rel. L1 ≤ "
+                  f"{spec_acc['bar']['rel_l1']}. GPU kernels add only ~1e-4 relative to these (tests/gpu).", "",
+                  "| distribution | configuration | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|"]
+        for r in spec_acc["rows"]:
+            lines.append(f"| {r['dist']} | {r['config']} | {r['cos']:.6f} | {r['rel_l1']:.4f} | {r['rmse']:.2e} |")
+        lines.append("")
     minilm = _load("minilm_cpu.json")
     if minilm:
         lines += [f"## Real weights — {minilm['model']}, {minilm['device']}, torch {minilm['torch']}", "",
