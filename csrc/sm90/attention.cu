@@ -4,14 +4,19 @@
 // (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
 // 448 folded into the exponent.
 //
-// One CTA = 128 query rows of one (batch, query head), 384 threads: a producer warpgroup (setmaxnreg 56)
-// copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64) with cp.async (completion
-// lands on a per-stage mbarrier through cp.async.mbarrier.arrive.noinc; a second mbarrier per stage says
-// both consumers are done with it); two consumer warpgroups (setmaxnreg 224) of 64 rows each share those
-// tiles (half the L2 traffic of one warpgroup per CTA) and take turns, through two named barriers, to
-// issue their wgmmas (FlashAttention-3's ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and
-// S_j = Q·K_jᵀ back to back, folds T into O while S_j is still running, then runs the softmax of block j
-// while the other warpgroup's products occupy the tensor cores.
+// Two launch shapes of that one function (the `variant` of launch(); the Python side defaults to 1):
+// * v1 (attention_kernel_1wg): one warpgroup per CTA, 64 query rows, two CTAs per SM — every thread
+//   issues its share of a cp.async multistage pipeline; the two resident CTAs overlap each other's
+//   softmax and wgmmas. The Triton kernel's shape.
+// * v0 (attention_kernel): 128 query rows per CTA, 384 threads — a producer warpgroup (setmaxnreg 56)
+//   copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64)
+//   with cp.async, completing on per-stage mbarriers (cp.async.mbarrier.arrive.noinc; a second mbarrier
+//   per stage says both consumers are done with it); two consumer warpgroups (setmaxnreg 224) of 64 rows
+//   share those tiles and take turns, through two named barriers, to issue their wgmmas (FlashAttention-3's
+//   ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and S_j = Q·K_jᵀ back to back, folds T into
+//   O while S_j is still running, then runs the softmax of block j while the other warpgroup's products
+//   occupy the tensor cores.
+// Measured speeds and what was tried: docs/notes.md, docs/results/README.md.
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
 // QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants
@@ -216,7 +221,7 @@ struct SumOp {
 };
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
-// max/sum, and P̂ packed in the e4m3 A layout of four k32 steps. Returns α for the O update.
+// max/sum, and P̂ packed in the e4m3 A layout of four k32 steps; α (for the O update) out.
 template <bool Masked>
 __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
                                               const int (&row)[2], const float (&q_scale)[2], int n_valid,
