@@ -127,14 +127,17 @@ def _main(argv=None):
     import triton
 
     import sage_compile
-    from sage_compile import SageConfig
+    from sage_compile import SageConfig, dispatch, spec
 
     bandwidth = copy_bandwidth()
     results = dict(static=opts.static, device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={})
+                   copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
+                   sage_kernel={}, env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT")})
     sage_cfg = SageConfig(min_seq_len=0)
     for d in (int(x) for x in opts.d.split(",")):
         heads = SHAPES[d]
+        kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), "fp8", torch.bfloat16)
+        results["sage_kernel"][f"d{d}"] = kernel  # which quantized-attention kernel these rows timed
         compiled = {}
         for causal in (bool(int(c)) for c in opts.causal.split(",")):
             block = lambda *a, c=causal: attention_block(*a, causal=c)  # noqa: E731
@@ -171,7 +174,8 @@ def _main(argv=None):
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
-          f"copy {results['copy_bandwidth_gbs']:.0f} GB/s; prep kernels {results['prep_kernels']}")
+          f"copy {results['copy_bandwidth_gbs']:.0f} GB/s; prep kernels {results['prep_kernels']}; "
+          f"sage kernel {results['sage_kernel']}")
     print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'x':>5} {'prep ms':>8} {'floor':>6} {'/floor':>6}")
     for r in results["rows"]:
         print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
