@@ -21,6 +21,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
+from bench.anchors import DISTRIBUTIONS, accuracy_metrics, anchor_qkv
 from bench.kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _rotating
 
 N_DEFAULT = "1024,2048,4096,8192,16384,32768"
@@ -60,14 +61,9 @@ def rope_only(xq, xk, v, cos, sin):
 
 
 def make_inputs(batch, n, heads, d, seed, dist="normal"):
+    """x_q, x_k, v [B, N, H, D] of one of ANCHORS.md's distributions (bench/anchors.py), rope tables, bf16."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    xq, xk, v = (torch.randn(batch, n, heads, d, device="cuda", generator=g) for _ in range(3))
-    if dist == "outliers":  # FA3 paper: N(0,1) + N(0,100)·Bernoulli(0.001)
-        for t in (xq, xk, v):
-            t += torch.randn(t.shape, device="cuda", generator=g) * 10 * (torch.rand(t.shape, device="cuda", generator=g) < 1e-3)
-    elif dist == "channel_bias":  # K += 8c, V += 4c, Q += 2c with c ~ N(0,1) per channel
-        c = torch.randn(d, device="cuda", generator=g)
-        xq, xk, v = xq + 2 * c, xk + 8 * c, v + 4 * c
+    xq, xk, v = anchor_qkv(dist, (batch, n, heads, d), g, "cuda")
     cos, sin = (t[:, None, :] for t in rope_tables(n, d, "cuda"))
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
     return bf(xq), bf(xk), bf(v), bf(cos), bf(sin)
@@ -96,16 +92,12 @@ def count_kernels(fn, args) -> int:
 
 def _accuracy(compiled_sage, d):
     rows = []
-    for dist in ("normal", "outliers", "channel_bias"):
+    for dist in DISTRIBUTIONS:
         for causal in (False, True):
             inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist)
             out = compiled_sage[causal](*inputs)
             ref = attention_block(*(t.float() for t in inputs), causal=causal)
-            a, b = out.double().flatten(), ref.double().flatten()
-            rows.append(dict(dist=dist, causal=causal, d=d,
-                             cos=F.cosine_similarity(a, b, dim=0).item(),
-                             rel_l1=((a - b).abs().sum() / b.abs().sum()).item(),
-                             rmse=((a - b) ** 2).mean().sqrt().item()))
+            rows.append(dict(dist=dist, causal=causal, d=d, **accuracy_metrics(out, ref)))
     return rows
 
 

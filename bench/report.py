@@ -52,6 +52,7 @@ def _sm90_table(data) -> list:
               "| causal | distribution | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|"]
     for causal, acc in sorted(data["accuracy"].items()):
         for name, a in acc["results"].items():
+            a = a.get("sm90", a)  # tests/gpu_cases.py writes {"sm90": ..., "sdpa_bf16": ...}; older runs the row
             lines.append(f"| {causal} | {name} | {a['cos']:.6f} | {a['rel_l1']:.4f} | {a['rmse']:.2e} |")
     return lines
 
@@ -137,7 +138,7 @@ def main() -> int:
     spec_acc = _load("accuracy_spec_cpu.json")
     if spec_acc:
         lines += [f"## Accuracy of the numerics spec itself — {spec_acc['device']}, torch {spec_acc['torch']}", "",
-                  f"`tools/accuracy_cpu.py`: {spec_acc['kernel']}, output {spec_acc['output_dtype']}, shape "
+                  f"`python -m bench.accuracy_spec`: {spec_acc['kernel']}, output {spec_acc['output_dtype']}, shape "
                   f"{spec_acc['shape']}, vs fp32 SDPA; issue 4's bar: cos ≥ {spec_acc['bar']['cos']}, rel. L1 ≤ "
                   f"{spec_acc['bar']['rel_l1']}. GPU kernels add only ~1e-4 relative to these (tests/gpu).", "",
                   "| distribution | configuration | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|"]

@@ -1,10 +1,14 @@
 """Shared by the GPU kernel tests: random prepared inputs, poisoned outputs, the oracle and its tolerance.
 
 Import only after skipping without CUDA (tests/gpu/*)."""
+import json
 import math
+import os
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench.anchors import accuracy_metrics, anchor_qkv
 from helpers import cosine, rel_l1
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs
@@ -107,12 +111,35 @@ def assert_close_to_oracle(args, out, lse, block_n, label=""):
     return out, lse
 
 
-def distribution(name, g, shape):
-    q, k, v = (torch.randn(shape, device=DEV, generator=g) for _ in range(3))
-    if name == "outliers":  # N(0,1) + N(0,100)·Bernoulli(0.001) (FA3 paper)
-        q, k, v = (t + 10 * torch.randn(shape, device=DEV, generator=g)
-                   * (torch.rand(shape, device=DEV, generator=g) < 1e-3) for t in (q, k, v))
-    elif name == "channel_bias":  # a per-channel bias c ~ N(0,1): K += 8c, V += 4c, Q += 2c
-        c = torch.randn(shape[-1], device=DEV, generator=g)
-        q, k, v = q + 2 * c, k + 8 * c, v + 4 * c
-    return q, k, v
+# Accuracy against fp32 SDPA on the three distributions of ANCHORS.md (B=1, H=8, N=4096, D=128): bounds on
+# the kernel's (cos ≥, relL1 ≤); the measured values are what docs/results report.
+ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
+ACCURACY_SHAPE = (1, 8, 4096, 128)
+
+
+def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV) -> dict:
+    """``run(args) -> out`` for each distribution against fp32 SDPA (math backend), beside bf16 SDPA;
+    asserts ACCURACY_BOUNDS and writes $OUT/accuracy_{label}_causal{causal}.json when OUT is set."""
+    results = {}
+    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
+        g = torch.Generator(device=device).manual_seed(1234)
+        q, k, v = (t.to(torch.bfloat16) for t in anchor_qkv(name, ACCURACY_SHAPE, g, device))
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                   is_causal=bool(causal))
+        bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+        p = spec.prepare(q, k, v, ACCURACY_SHAPE[-1] ** -0.5, spec.Quantization())
+        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
+                          p.q_group, causal, ACCURACY_SHAPE[-1], torch.bfloat16)
+        row = {label: accuracy_metrics(run(args), ref), "sdpa_bf16": accuracy_metrics(bf16, ref)}
+        results[name] = row
+        print(f"[{label} accuracy causal={causal}] {name:13s} cos={row[label]['cos']:.6f} "
+              f"relL1={row[label]['rel_l1']:.4f} rmse={row[label]['rmse']:.2e} | bf16 sdpa cos="
+              f"{row['sdpa_bf16']['cos']:.6f} relL1={row['sdpa_bf16']['rel_l1']:.4f}")
+        assert row[label]["cos"] >= cos_min and row[label]["rel_l1"] <= rel_max, (name, row)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"accuracy_{label}_causal{causal}.json"), "w") as f:
+            device_name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+            json.dump(dict(device=device_name, torch=torch.__version__, shape=list(ACCURACY_SHAPE), causal=causal,
+                           results=results), f, indent=1)
+    return results

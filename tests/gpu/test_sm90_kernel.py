@@ -6,15 +6,12 @@ fresh random bf16 tensors through ``spec.prepare``; outputs are NaN-poisoned bef
 out [B, N, H, D] (strided), as the op allocates them.
 """
 import dataclasses
-import json
 import math
-import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
@@ -25,11 +22,10 @@ try:
 except ImportError:
     pytest.skip("sage_compile._sm90 not built", allow_module_level=True)
 from gpu_cases import (  # noqa: E402
-    DEV, assert_close_to_oracle, distribution, make_case, poisoned_outputs,
+    DEV, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs,
 )
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import dispatch, spec  # noqa: E402
-from sage_compile.kernels import KernelArgs  # noqa: E402
+from sage_compile import dispatch  # noqa: E402
 from sage_compile.kernels import triton as tk  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -170,28 +166,6 @@ def test_kernel_info_reports_no_spills():
             assert info["registers"] <= 255 and info["threads"] >= 128
 
 
-ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
-
-
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
-    results = {}
-    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
-        g = torch.Generator(device=DEV).manual_seed(1234)
-        q, k, v = (t.to(torch.bfloat16) for t in distribution(name, g, (1, 8, 4096, 128)))
-        with sdpa_kernel(SDPBackend.MATH):
-            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                   is_causal=bool(causal))
-        p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
-        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                          p.q_group, causal, 128, torch.bfloat16)
-        out, _ = run_sm90(args)
-        row = dict(cos=cosine(out, ref), rel_l1=rel_l1(out, ref),
-                   rmse=(out.double() - ref.double()).pow(2).mean().sqrt().item())
-        results[name] = row
-        print(f"[sm90 accuracy causal={causal}] {name:13s} cos={row['cos']:.6f} relL1={row['rel_l1']:.4f}")
-        assert row["cos"] >= cos_min and row["rel_l1"] <= rel_max, (name, row)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"accuracy_sm90_causal{causal}.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           shape=[1, 8, 4096, 128], causal=causal, results=results), f, indent=1)
+    check_accuracy_vs_fp32(lambda args: run_sm90(args, sm90.DEFAULT_VARIANT)[0], causal, "sm90")

@@ -18,25 +18,21 @@ so any real bug (a wrong mask, scale, block or head) fails loudly. LSE: |Δ| ≤
 An ``attn_mask`` (bool, or fp32 added to S) changes none of this: the oracle applies it at the same point.
 """
 import dataclasses
-import json
 import math
-import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from helpers import cosine, rel_l1
-from sage_compile import spec
 from sage_compile.kernels import KernelArgs
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import (  # noqa: E402
-    DEV, MASK_KINDS, assert_close_to_oracle as _assert_close, distribution, make_case, poisoned_outputs, random_mask,
+    DEV, MASK_KINDS, assert_close_to_oracle as _assert_close, check_accuracy_vs_fp32, make_case, poisoned_outputs,
+    random_mask,
 )
 
 pytestmark = pytest.mark.gpu
@@ -272,37 +268,6 @@ def test_supports_reasons():
         assert reason in tk.supports(dataclasses.replace(args, attn_mask=mask)), (reason, mask.shape, mask.dtype)
 
 
-# ------------------------------------------------------------------------------------------------
-# Accuracy against fp32 SDPA on the three distributions of ANCHORS.md (B=1, H=8, N=4096, D=128).
-# ------------------------------------------------------------------------------------------------
-ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
-
-
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
-    results = {}
-    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
-        g = torch.Generator(device=DEV).manual_seed(1234)
-        q, k, v = (t.to(torch.bfloat16) for t in distribution(name, g, (1, 8, 4096, 128)))
-        with sdpa_kernel(SDPBackend.MATH):
-            ref = torch.nn.functional.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), is_causal=bool(causal))
-        p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
-        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                          p.q_group, causal, 128, torch.bfloat16)
-        out, _ = run_kernel(args)
-        bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
-        row = {}
-        for label, o in (("sage_triton", out), ("sdpa_bf16", bf16)):
-            row[label] = dict(cos=cosine(o, ref), rel_l1=rel_l1(o, ref),
-                              rmse=(o.double() - ref.double()).pow(2).mean().sqrt().item())
-        results[name] = row
-        print(f"[accuracy causal={causal}] {name:13s} triton cos={row['sage_triton']['cos']:.6f} "
-              f"relL1={row['sage_triton']['rel_l1']:.4f} rmse={row['sage_triton']['rmse']:.2e} | "
-              f"bf16 sdpa cos={row['sdpa_bf16']['cos']:.6f} relL1={row['sdpa_bf16']['rel_l1']:.4f}")
-        assert row["sage_triton"]["cos"] >= cos_min and row["sage_triton"]["rel_l1"] <= rel_max, (name, row)
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], f"accuracy_causal{causal}.json")
-        with open(path, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           shape=[1, 8, 4096, 128], causal=causal, results=results), f, indent=1)
+    check_accuracy_vs_fp32(lambda args: run_kernel(args)[0], causal, "triton")

@@ -2,7 +2,7 @@
 distributions (B=1, H=8, N=4096, D=128), for PV in e4m3 and fp16 and with V smoothing: which
 configuration meets issue 4's bar (cos ≥ 0.9995, relL1 ≤ 0.03) before any GPU rounding enters.
 
-    python tools/accuracy_cpu.py   → docs/results/accuracy_spec_cpu.json (+ a table)
+    python -m bench.accuracy_spec   → docs/results/accuracy_spec_cpu.json (+ a table)
 """
 import json
 import os
@@ -10,6 +10,7 @@ import platform
 
 import torch
 
+from bench.anchors import DISTRIBUTIONS, accuracy_metrics, anchor_qkv
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs, cpu
 
@@ -17,37 +18,21 @@ SHAPE = (1, 8, 4096, 128)
 CONFIGS = (("fp8", False), ("fp8", True), ("fp16", False))
 
 
-def distribution(name, g, shape):
-    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
-    if name == "outliers":  # N(0,1) + N(0,100)·Bernoulli(0.001) (FA3 paper)
-        q, k, v = (t + 10 * torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) < 1e-3) for t in (q, k, v))
-    elif name == "channel_bias":  # a per-channel bias c ~ N(0,1): K += 8c, V += 4c, Q += 2c
-        c = torch.randn(shape[-1], generator=g)
-        q, k, v = q + 2 * c, k + 8 * c, v + 4 * c
-    return q, k, v
-
-
-def metrics(out, ref):
-    a, b = out.double().flatten(), ref.double().flatten()
-    return dict(cos=(a @ b / (a.norm() * b.norm())).item(), rel_l1=((a - b).abs().sum() / b.abs().sum()).item(),
-                rmse=(a - b).pow(2).mean().sqrt().item())
-
-
 def main():
     rows = []
-    for name in ("normal", "outliers", "channel_bias"):
+    for name in DISTRIBUTIONS:
         g = torch.Generator().manual_seed(1234)
-        q, k, v = (t.to(torch.bfloat16) for t in distribution(name, g, SHAPE))
+        q, k, v = (t.to(torch.bfloat16) for t in anchor_qkv(name, SHAPE, g, "cpu"))
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        rows.append(dict(dist=name, config="sdpa_bf16", **metrics(bf16, ref)))
+        rows.append(dict(dist=name, config="sdpa_bf16", **accuracy_metrics(bf16, ref)))
         for pv, smooth_v in CONFIGS:
             p = spec.prepare(q, k, v, SHAPE[-1] ** -0.5, spec.Quantization(pv=pv, smooth_v=smooth_v))
             args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
                               p.q_group, 0, SHAPE[-1], torch.bfloat16)
             out, lse = torch.empty(SHAPE, dtype=torch.bfloat16), torch.empty(SHAPE[:3])
             cpu.run(args, out, lse)
-            rows.append(dict(dist=name, config=f"pv={pv}" + (", smooth_v" if smooth_v else ""), **metrics(out, ref)))
+            rows.append(dict(dist=name, config=f"pv={pv}" + (", smooth_v" if smooth_v else ""), **accuracy_metrics(out, ref)))
     result = dict(device=f"CPU ({platform.processor() or platform.machine()})", torch=torch.__version__,
                   shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
                   output_dtype="bfloat16", bar=dict(cos=0.9995, rel_l1=0.03), rows=rows)
