@@ -450,7 +450,7 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
 // The copies of one key block into a stage, issued by 128 threads: K rows permuted (k_row_of_key), Vᵀ rows
 // [D][128 keys], δK. Each thread's chunks sit at fixed offsets from the block's base (the row permutation
 // and the swizzle repeat every 16 rows), so the offsets are computed once; a block wholly inside Nk needs
-// no bounds checks. (Recomputing them per block cost ~15% of the loop's instructions.)
+// no bounds checks. (Recomputing them per block held v1 at 564 instead of 678 TOPS on the H100.)
 template <int D>
 struct BlockCopier {
   static constexpr int kChunks = D / 16;                    // 16-byte chunks per K row
