@@ -335,9 +335,102 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[D
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Pieces both launch shapes share
+// ---------------------------------------------------------------------------------------------------
+// What one CTA works on: (batch, query head, key head), its first query row, and the keys any of its
+// `rows` query rows can see (kv_lens, causal), as provably CTA-uniform values (wgmma loops run on them).
+struct CtaTile {
+  int b, h, hk, q0, n_valid, n_blocks;
+};
+
+__device__ __forceinline__ CtaTile cta_tile(const Params& p, int rows) {
+  CtaTile tile;
+  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
+  tile.b = blockIdx.y / p.hq;
+  tile.h = blockIdx.y % p.hq;
+  tile.hk = tile.h / (p.hq / p.hkv);
+  tile.q0 = q_block * rows;
+  int n_valid = p.nk;
+  if (p.kv_lens != nullptr) {
+    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[tile.b]
+                                          : static_cast<const int32_t*>(p.kv_lens)[tile.b];
+    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
+  }
+  int key_end = n_valid;  // keys [0, key_end) may be visible to some row of this CTA
+  if (p.causal) key_end = min(key_end, min(tile.q0 + rows, p.nq) + p.causal_offset);
+  key_end = max(key_end, 0);
+  tile.n_valid = __shfl_sync(0xffffffff, n_valid, 0);
+  tile.n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
+  return tile;
+}
+
+// The CTA's `rows` query rows into shared memory (rows past Nq zero-filled), `threads` threads helping.
 template <int D>
-__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t base, int tid, int wg, int b, int h,
-                                        int hk, int q0, int n_valid, int n_blocks) {
+__device__ __forceinline__ void load_q(uint32_t sQ, const Params& p, const CtaTile& tile, int rows, int tid,
+                                       int threads) {
+  constexpr int kChunks = D / 16;
+  const int8_t* q_g = p.q + tile.b * p.q_sb + tile.h * p.q_sh;
+  for (int idx = tid; idx < rows * kChunks; idx += threads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool ok = tile.q0 + r < p.nq;
+    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (tile.q0 + r) * p.q_sn + c * 16 : q_g, ok);
+  }
+}
+
+// This thread's two rows (g and g + 8 of its warp's 16, from the warpgroup's first row) and their δQ.
+__device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile, int wg_row0, int warp, int g,
+                                            int (&row)[2], float (&q_scale)[2]) {
+  row[0] = wg_row0 + warp * 16 + g;
+  row[1] = row[0] + 8;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
+}
+
+// S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps), issued, not waited for.
+template <int D>
+__device__ __forceinline__ void issue_qk(uint32_t (&acc)[64], uint64_t desc_q, uint64_t desc_k) {
+#pragma unroll
+  for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+}
+template <int D>
+__device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa)[4][4], uint64_t desc_v) {
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) {
+    if constexpr (D == 128) {
+      wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
+    } else {
+      wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
+    }
+  }
+}
+
+// The softmax of key block k0 for rows from wg_row0 on: the masked path only where a key is out of
+// range or causally hidden for some row of the warpgroup.
+__device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
+                                                 int k0, int wg_row0, int n_valid, const int (&row)[2],
+                                                 const float (&q_scale)[2], float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2], uint32_t (&pa)[4][4]) {
+  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+  if (masked) {
+    softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+  } else {
+    softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
+  }
+}
+
+// Two-level accumulation: O = O·α + T, T a block's P̂·V̂ from a fresh accumulator.
+template <int N>
+__device__ __forceinline__ void fold_block(float (&o)[N], const float (&alpha)[2], float (&pv)[N]) {
+  fence_registers(pv);
+#pragma unroll
+  for (int i = 0; i < N; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];
+}
+
+template <int D>
+__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t base, int tid, int wg,
+                                        const CtaTile& tile) {
   using L = SmemLayout<D>;
   constexpr int kStages = L::kStages;
   constexpr int kOut = D / 2;  // fp32 accumulator registers of O (m64nD) per thread
@@ -351,13 +444,11 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
   const int g = lane >> 2, t = lane & 3;
   const float* k_scale_smem = reinterpret_cast<const float*>(smem + L::kKScale);
 
-  // This thread's rows (two per thread: g and g + 8 of its warp's 16) and their δQ.
-  const int wg_row0 = q0 + wg * 64;
-  const int row[2] = {wg_row0 + warp * 16 + g, wg_row0 + warp * 16 + g + 8};
+  const int n_valid = tile.n_valid, n_blocks = tile.n_blocks;
+  const int wg_row0 = tile.q0 + wg * 64;
+  int row[2];
   float q_scale[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    q_scale[r] = row[r] < p.nq ? p.q_scale[b * p.qs_sb + h * p.qs_sh + row[r]] : 0.f;
+  thread_rows(p, tile, wg_row0, warp, g, row, q_scale);
   const uint64_t desc_q = smem_descriptor(sQ + wg * 64 * D, D);
 
   float o[kOut];
@@ -370,38 +461,20 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
 
   // Every warpgroup walks all n_blocks of the CTA (a causal warpgroup whose rows see fewer keys masks
   // them): the wgmmas then sit on no divergent path, and both warpgroups take the same number of turns.
-  auto issue_qk = [&](uint32_t (&acc)[64], int j) {
-    const uint64_t desc_k = smem_descriptor(sK + (j % kStages) * L::kKBytes, D);
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+  auto issue_qk_block = [&](uint32_t (&acc)[64], int j) {
+    issue_qk<D>(acc, desc_q, smem_descriptor(sK + (j % kStages) * L::kKBytes, D));
   };
-  auto issue_pv = [&](float (&pv)[kOut], int j) {
-    const uint64_t desc_v = smem_descriptor(sV + (j % kStages) * L::kVBytes, 128);
-#pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
-      if constexpr (D == 128) {
-        wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
-      } else {
-        wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
-      }
-    }
+  auto issue_pv_block = [&](float (&pv)[kOut], int j) {
+    issue_pv<D>(pv, pa, smem_descriptor(sV + (j % kStages) * L::kVBytes, 128));
   };
-  auto accumulate = [&](float (&pv)[kOut], int j) {  // O = O·α + T (two-level), then release block j
-    fence_registers(pv);
-#pragma unroll
-    for (int i = 0; i < kOut; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];
+  auto accumulate = [&](float (&pv)[kOut], int j) {  // fold T into O, then release block j's stage
+    fold_block(o, alpha, pv);
     mbarrier_arrive(empty_bar(j % kStages));
   };
   auto softmax = [&](uint32_t (&acc)[64], int j) {
     fence_registers(acc);
-    const int k0 = j * kBlockN;
-    const float* ks_s = k_scale_smem + (j % kStages) * kBlockN;
-    const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
-    if (masked) {
-      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-    } else {
-      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-    }
+    softmax_block_at(p, acc, k_scale_smem + (j % kStages) * kBlockN, t, j * kBlockN, wg_row0, n_valid, row, q_scale,
+                     m, l, alpha, pa);
   };
   const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
 
@@ -411,7 +484,7 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     mbarrier_wait(full_bar(0), 0);
     named_barrier_sync(my_turn, kConsumerThreads);
     wgmma_fence();
-    issue_qk(acc, 0);
+    issue_qk_block(acc, 0);
     wgmma_commit();
     named_barrier_arrive(other_turn, kConsumerThreads);
     wgmma_wait_all();
@@ -423,9 +496,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     mbarrier_wait(full_bar(j % kStages), (j / kStages) & 1);
     named_barrier_sync(my_turn, kConsumerThreads);  // my turn: T_{j−1} and S_j back to back
     wgmma_fence();
-    issue_pv(pv, j - 1);
+    issue_pv_block(pv, j - 1);
     wgmma_commit();
-    issue_qk(acc, j);
+    issue_qk_block(acc, j);
     wgmma_commit();
     named_barrier_arrive(other_turn, kConsumerThreads);
     wgmma_wait<1>();  // T_{j−1} done: fold it into O while S_j is still in the tensor cores
@@ -437,14 +510,14 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
     float pv[kOut];
     named_barrier_sync(my_turn, kConsumerThreads);
     wgmma_fence();
-    issue_pv(pv, n_blocks - 1);
+    issue_pv_block(pv, n_blocks - 1);
     wgmma_commit();
     if (wg == 0) named_barrier_arrive(other_turn, kConsumerThreads);  // warpgroup 1 takes the last turn
     wgmma_wait_all();
     accumulate(pv, n_blocks - 1);
   }
 
-  store_output<D>(p, o, m, l, row, t, b, h, hk);
+  store_output<D>(p, o, m, l, row, t, tile.b, tile.h, tile.hk);
 }
 
 // The copies of one key block into a stage, issued by 128 threads: K rows permuted (k_row_of_key), Vᵀ rows
@@ -510,7 +583,6 @@ template <int D>
 __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(const __grid_constant__ Params p) {
   using L = SmemLayout<D>;
   constexpr int kStages = L::kStages;
-  constexpr int kChunks = D / 16;  // 16-byte chunks per Q/K row
   constexpr int kAllThreads = kConsumerThreads + 128;
 
   extern __shared__ uint8_t smem_raw[];
@@ -524,24 +596,8 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffff, tid >> 7, 0);  // provably warp-uniform: wgmma needs convergence
-
-  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
-  const int bh = blockIdx.y;
-  const int b = bh / p.hq, h = bh % p.hq, hk = h / (p.hq / p.hkv);
-  const int q0 = q_block * kBlockM;
-
-  int n_valid = p.nk;
-  if (p.kv_lens != nullptr) {
-    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[b]
-                                          : static_cast<const int32_t*>(p.kv_lens)[b];
-    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
-  }
-  int key_end = n_valid;  // keys [0, key_end) may be visible to some row of this CTA
-  if (p.causal) key_end = min(key_end, min(q0 + kBlockM, p.nq) + p.causal_offset);
-  key_end = max(key_end, 0);
-  // Uniform across the CTA; the shuffles make that visible to the compiler (wgmma loops on them).
-  n_valid = __shfl_sync(0xffffffff, n_valid, 0);
-  const int n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
+  const CtaTile tile = cta_tile(p, kBlockM);
+  const int b = tile.b, hk = tile.hk, n_blocks = tile.n_blocks;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -549,13 +605,7 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
       mbarrier_init(empty_bar(s), kConsumerThreads);  // every consumer thread is done with the stage
     }
   }
-  // Q: 128 rows × D bytes, rows past Nq zero-filled; every thread helps.
-  const int8_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
-  for (int idx = tid; idx < kBlockM * kChunks; idx += kAllThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = q0 + r < p.nq;
-    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (q0 + r) * p.q_sn + c * 16 : q_g, ok);
-  }
+  load_q<D>(sQ, p, tile, kBlockM, tid, kAllThreads);  // every thread helps
   cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();
@@ -579,7 +629,7 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
     }
     cp_async_wait_all();
   } else {
-    consume<D>(p, smem, base, tid, wg, b, h, hk, q0, n_valid, n_blocks);
+    consume<D>(p, smem, base, tid, wg, tile);
   }
 }
 
@@ -625,35 +675,14 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-  const int bh = blockIdx.y;
-  const int b = bh / p.hq, h = bh % p.hq, hk = h / (p.hq / p.hkv);
-  const int q0 = q_block * kBlockM1;
+  const CtaTile tile = cta_tile(p, kBlockM1);
+  const int b = tile.b, hk = tile.hk, q0 = tile.q0, n_valid = tile.n_valid, n_blocks = tile.n_blocks;
 
-  int n_valid = p.nk;
-  if (p.kv_lens != nullptr) {
-    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[b]
-                                          : static_cast<const int32_t*>(p.kv_lens)[b];
-    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
-  }
-  int key_end = n_valid;
-  if (p.causal) key_end = min(key_end, min(q0 + kBlockM1, p.nq) + p.causal_offset);
-  key_end = max(key_end, 0);
-  n_valid = __shfl_sync(0xffffffff, n_valid, 0);
-  const int n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
-
-  const int8_t* q_g = p.q + b * p.q_sb + h * p.q_sh;
   const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
   const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
   const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
-
-#pragma unroll
-  for (int i = 0; i < kBlockM1 * kChunks / 128; ++i) {
-    const int idx = tid + i * 128, r = idx / kChunks, c = idx % kChunks;
-    const bool ok = q0 + r < p.nq;
-    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (q0 + r) * p.q_sn + c * 16 : q_g, ok);
-  }
+  load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
   const BlockCopier<D> copier(tid, k_row, v_row);
   auto load_block = [&](int j) {
     const int s = j % kStages;
@@ -667,11 +696,9 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
     cp_async_commit();
   }
 
-  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  int row[2];
   float q_scale[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    q_scale[r] = row[r] < p.nq ? p.q_scale[b * p.qs_sb + h * p.qs_sh + row[r]] : 0.f;
+  thread_rows(p, tile, q0, warp, g, row, q_scale);
   const uint64_t desc_q = smem_descriptor(sQ, D);
 
   float o[kOut];
@@ -691,39 +718,21 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
     cp_async_commit();
 
     uint32_t acc[64];
-    const uint64_t desc_k = smem_descriptor(sK + s * L::kKBytes, D);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+    issue_qk<D>(acc, desc_q, smem_descriptor(sK + s * L::kKBytes, D));
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(acc);
-    const float* ks_s = k_scale_smem + s * kBlockN;
-    const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > q0 + p.causal_offset);
-    if (masked) {
-      softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-    } else {
-      softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-    }
+    softmax_block_at(p, acc, k_scale_smem + s * kBlockN, t, k0, q0, n_valid, row, q_scale, m, l, alpha, pa);
     float pv[kOut];
-    const uint64_t desc_v = smem_descriptor(sV + s * L::kVBytes, 128);
     wgmma_fence();
-#pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
-      if constexpr (D == 128) {
-        wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
-      } else {
-        wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
-      }
-    }
+    issue_pv<D>(pv, pa, smem_descriptor(sV + s * L::kVBytes, 128));
     wgmma_commit();
     wgmma_wait<0>();
-    fence_registers(pv);
-#pragma unroll
-    for (int i = 0; i < kOut; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];  // two-level accumulation
+    fold_block(o, alpha, pv);
   }
   cp_async_wait<0>();
-  store_output<D>(p, o, m, l, row, t, b, h, hk);
+  store_output<D>(p, o, m, l, row, t, b, tile.h, hk);
 }
 
 // ---------------------------------------------------------------------------------------------------
