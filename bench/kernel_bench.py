@@ -147,7 +147,8 @@ def main(argv=None):
     from sage_compile.kernels import triton as tk
     sm90 = _load_sm90()
 
-    info = dict(sm90_kernel=({f"{d}/v{v}": sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS for v in (0, 1)}
+    info = dict(sm90_kernel=({f"{d}/v{v}": sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS
+                              for v in range(len(sm90.VARIANTS))}
                              if sm90 else None),
                 device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
@@ -194,7 +195,7 @@ def main(argv=None):
                            triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
                 if sm90 is not None and sm90.supports(kargs[0]) is None:
-                    for v, key in ((0, "sm90"), (1, "sm90_1wg")):  # the two launch shapes
+                    for v, key in enumerate(SM90_COLUMNS):  # the launch shapes
                         t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse, v=v: sm90.run(a, o, s, v)
                                                       for a in kargs]))
                         row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
@@ -226,11 +227,15 @@ def main(argv=None):
         for k, v in sorted(best.items()):
             print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
     print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'sm90':>7} {'sm90_1wg':>8} {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} "
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'sm90':>7} {'sm90_1wg':>7} {'sm90_ovl':>7} {'sm90_3cta':>7} {'triton':>7} "
+          f"{'cudnn':>7} {'flash':>7} {'e2e':>6} "
           f"{'prep ms':>8}  config")
     for r in rows:
         print(_fmt_row(r))
     return result
+
+
+SM90_COLUMNS = ("sm90", "sm90_1wg", "sm90_ovl", "sm90_3cta")  # launch variant i of the sm90 kernel → its column
 
 
 def _table_config_text(tk, d, causal, long_n):
@@ -239,7 +244,7 @@ def _table_config_text(tk, d, causal, long_n):
 
 def _fmt_row(r):
     f = lambda key: f"{r[key]:7.0f}" if key in r else f"{'-':>7}"  # noqa: E731
-    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('sm90_tops')} {f('sm90_1wg_tops')} "
+    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('sm90_tops')} {f('sm90_1wg_tops')} {f('sm90_ovl_tops')} {f('sm90_3cta_tops')} "
             f"{f('triton_tops')} {f('cudnn_tops')} "
             f"{f('flash_tops')} {r['end_to_end_tops']:6.0f} {r['prepare_ms']:8.3f}  {r['config']}")
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the native sm90 kernel: build (ptxas report), SASS mix, its GPU tests, kernel bench.
-#   bash bench/sm90_check.sh [test|bench|all] [kernel_bench args...]
+#   bash bench/sm90_check.sh [test|bench|all|none] [kernel_bench args...]
+# PROFILE_VARIANT="v ..." adds an ncu profile (full set, per-instruction stall samples) of launch variant v at
+# D=128, N=16K (PROFILE_ARGS="N D causal" to change) and then the whole tests/gpu suite.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mode=${1:-all}; shift || true
@@ -11,7 +13,7 @@ grep -E "nvcc|WARNING" "$OUT/install.log" | grep -v "^ *$" | cut -c1-300 | tail 
 so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"; exit 1; }
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
 echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
-python -c "from sage_compile.kernels import sm90; print({(d, v): sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS for v in (0, 1)})"
+python -c "from sage_compile.kernels import sm90; print({(d, v): sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS))})"
 # Smoke test first: a hung kernel costs 30 s, not the whole call.
 timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
 import torch
@@ -23,24 +25,16 @@ a = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, None, None, None,
 out = torch.full((1, 2, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
 lse = torch.empty(1, 2, 300, device="cuda")
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-for variant in (0, 1):
+for variant in range(len(sm90.VARIANTS)):
     out.fill_(float("nan"))
     sm90.run(a, out, lse, variant); torch.cuda.synchronize()
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
     print(f"smoke variant {variant}: cos {cos:.6f}")
 PY
-if [ "$mode" = profile ]; then  # stall reasons and pipe use of one launch (D=128, N=16K)
-  timeout 240 ncu -k regex:attention_kernel -c 1 --launch-skip 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis \
-    python tools/sm90_one_launch.py 16384 128 0 > "$OUT/ncu.txt" 2>&1; tail -120 "$OUT/ncu.txt" | cut -c1-150
-  xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-  timeout 280 python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-  exit 0
+if [ "$mode" = test ] || [ "$mode" = all ]; then
+  timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
 fi
-if [ "$mode" != bench ]; then
-  timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
-fi
-if [ "$mode" != test ]; then
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python -m bench.kernel_bench "$@" 2>&1 | tee "$OUT/kernel_bench.log" | tail -30
 fi
 if [ "$mode" = all ] && [ -n "${E2E_N:-}" ]; then  # end to end, sm90 vs Triton kernels behind the same fused prep
@@ -48,3 +42,15 @@ if [ "$mode" = all ] && [ -n "${E2E_N:-}" ]; then  # end to end, sm90 vs Triton 
   OUT=$OUT/sm90 timeout 200 python -m bench.e2e_bench --n "$E2E_N" --d 128 --causal 0,1 2>&1 | tail -8
   OUT=$OUT/triton SAGE_KERNELS=triton,cpu,reference timeout 200 python -m bench.e2e_bench --n "$E2E_N" --d 128 --causal 0,1 2>&1 | tail -8
 fi
+for pv in ${PROFILE_VARIANT:-}; do  # e.g. PROFILE_VARIANT="1 3"
+  SAGE_SM90_VARIANT=$pv timeout 300 ncu -k regex:attention_kernel -c 1 --launch-skip 1 --set full \
+    --import-source yes -o "$OUT/sm90_v$pv" python tools/sm90_one_launch.py ${PROFILE_ARGS:-16384 128 0} \
+    > "$OUT/ncu_run_v$pv.log" 2>&1 || tail -5 "$OUT/ncu_run_v$pv.log"
+  rep="$OUT/sm90_v$pv.ncu-rep"
+  ncu --import "$rep" --print-summary none > "$OUT/ncu_details_v$pv.txt" 2>&1
+  ncu --import "$rep" --page source --csv --print-source sass > "$OUT/ncu_source_v$pv.csv" 2>&1
+  rm -f "$rep"
+  echo "== ncu, variant $pv"
+  python tools/ncu_hotspots.py "$OUT/ncu_details_v$pv.txt" "$OUT/ncu_source_v$pv.csv" > "$OUT/ncu_hotspots_v$pv.txt" 2>&1
+  head -${PROFILE_LINES:-40} "$OUT/ncu_hotspots_v$pv.txt"; rm -f "$OUT/ncu_source_v$pv.csv" "$OUT/ncu_run_v$pv.log"
+done

@@ -221,15 +221,14 @@ struct SumOp {
 };
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
-// max/sum, and P̂ packed in the e4m3 A layout of four k32 steps; α (for the O update) out.
+// max/sum, α (for the O update) and the weights P448 = 448·P̃ in `sc` (same index as the accumulator).
 template <bool Masked>
-__device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
-                                              const int (&row)[2], const float (&q_scale)[2], int n_valid,
-                                              int causal, int causal_offset, float (&m)[2], float (&l)[2],
-                                              float (&alpha)[2], uint32_t (&pa)[4][4]) {
+__device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
+                                               const int (&row)[2], const float (&q_scale)[2], int n_valid,
+                                               int causal, int causal_offset, float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2], float (&sc)[64]) {
   // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
   // 16(i/2) + 4t + 2(i%2) + e; one float4 of δK serves the 4 keys 16G + 4t..4t+3.
-  float sc[64];
 #pragma unroll
   for (int grp = 0; grp < 8; ++grp) {
     const float4 ks4 = *reinterpret_cast<const float4*>(ks_s + 16 * grp + 4 * t);
@@ -285,6 +284,10 @@ __device__ __forceinline__ void softmax_block(const uint32_t (&acc)[64], const f
       }
     l[hr] = l[hr] * alpha[hr] + tree_reduce_row(sc, hr, SumOp());
   }
+}
+
+// P̂ = e4m3(P448), packed in the A layout of the PV product's four k32 steps.
+__device__ __forceinline__ void pack_weights(const float (&sc)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
   for (int kc = 0; kc < 4; ++kc) {
     const int i0 = 4 * kc;
@@ -406,18 +409,28 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa
   }
 }
 
-// The softmax of key block k0 for rows from wg_row0 on: the masked path only where a key is out of
-// range or causally hidden for some row of the warpgroup.
+// The softmax of key block k0 for rows from wg_row0 on (weights left in `sc`): the masked path only where
+// a key is out of range or causally hidden for some row of the warpgroup.
+__device__ __forceinline__ void softmax_scores_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s,
+                                                  int t, int k0, int wg_row0, int n_valid, const int (&row)[2],
+                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
+                                                  float (&alpha)[2], float (&sc)[64]) {
+  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+  if (masked) {
+    softmax_scores<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
+  } else {
+    softmax_scores<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
+  }
+}
+
+// The same, with P̂ packed for the PV product.
 __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
                                                  int k0, int wg_row0, int n_valid, const int (&row)[2],
                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], uint32_t (&pa)[4][4]) {
-  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
-  if (masked) {
-    softmax_block<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-  } else {
-    softmax_block<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, pa);
-  }
+  float sc[64];
+  softmax_scores_at(p, acc, ks_s, t, k0, wg_row0, n_valid, row, q_scale, m, l, alpha, sc);
+  pack_weights(sc, pa);
 }
 
 // Two-level accumulation: O = O·α + T, T a block's P̂·V̂ from a fresh accumulator.
@@ -547,14 +560,18 @@ struct BlockCopier {
   __device__ __forceinline__ void issue(const Params& p, int k0, uint32_t dK, uint32_t dV, uint32_t dKS,
                                         const int8_t* k_g, const uint8_t* v_g, const float* ks_g, int k_row,
                                         int v_row) const {
+    issue_k(p, k0, dK, dKS, k_g, ks_g, k_row);
+    issue_v(p, k0, dV, v_g, v_row);
+  }
+
+  // K rows and δK of the block at key k0.
+  __device__ __forceinline__ void issue_k(const Params& p, int k0, uint32_t dK, uint32_t dKS, const int8_t* k_g,
+                                          const float* ks_g, int k_row) const {
     const int8_t* k_blk = k_g + k0 * p.k_sn;
-    const uint8_t* v_blk = v_g + k0;
-    if (k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
+    if (k0 + kBlockN <= p.nk) {  // whole block in range
 #pragma unroll
       for (int i = 0; i < kKSteps; ++i)
         cp_async_16(dK + k_soff + i * kKRowsPerStep * D, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
-#pragma unroll
-      for (int i = 0; i < kVSteps; ++i) cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + i * 16 * v_row, true);
       if (lane < kBlockN) cp_async_4(dKS + lane * 4, ks_g + k0 + lane, true);
     } else {
 #pragma unroll
@@ -562,14 +579,24 @@ struct BlockCopier {
         const bool ok = k0 + k_n0 + i * kKRowsPerStep < p.nk;
         cp_async_16(dK + k_soff + i * kKRowsPerStep * D, ok ? k_blk + k_goff + i * kKRowsPerStep * k_row : k_g, ok);
       }
-      const bool v_ok = k0 + v_c16 < p.nkp;
-#pragma unroll
-      for (int i = 0; i < kVSteps; ++i)
-        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + i * 16 * v_row : v_g, v_ok);
       if (lane < kBlockN) {
         const bool ok = k0 + lane < p.nk;
         cp_async_4(dKS + lane * 4, ok ? ks_g + k0 + lane : ks_g, ok);
       }
+    }
+  }
+
+  // Vᵀ rows [D][128 keys] of the block at key k0.
+  __device__ __forceinline__ void issue_v(const Params& p, int k0, uint32_t dV, const uint8_t* v_g, int v_row) const {
+    const uint8_t* v_blk = v_g + k0;
+    if (k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
+#pragma unroll
+      for (int i = 0; i < kVSteps; ++i) cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + i * 16 * v_row, true);
+    } else {
+      const bool v_ok = k0 + v_c16 < p.nkp;
+#pragma unroll
+      for (int i = 0; i < kVSteps; ++i)
+        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + i * 16 * v_row : v_g, v_ok);
     }
   }
 };
@@ -641,9 +668,9 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 // ---------------------------------------------------------------------------------------------------
 constexpr int kBlockM1 = 64;
 
-template <int D>
+template <int D, int Stages = 3>
 struct SmemLayout1 {
-  static constexpr int kStages = 3;
+  static constexpr int kStages = Stages;
   static constexpr int kQBytes = kBlockM1 * D;
   static constexpr int kKBytes = kBlockN * D;
   static constexpr int kVBytes = D * kBlockN;
@@ -655,15 +682,27 @@ struct SmemLayout1 {
   static constexpr int kDynamic = kBytes + 1024;
 };
 
+// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB).
+template <int D, int CtasPerSm>
+__host__ __device__ constexpr int Stages1() {
+  return CtasPerSm == 2 ? 3 : (D == 128 ? 2 : 3);
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <int D>
-__global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_constant__ Params p) {
-  using L = SmemLayout1<D>;
+// Overlap = false (v1): per block, S_j = Q·K_jᵀ, wait, softmax, T_j = P̂_j·V̂_j, wait, fold.
+// Overlap = true (v2, FlashAttention-3's intra-warpgroup overlap): iteration j issues S_j and T_{j−1}
+// back to back, runs the softmax of block j while T_{j−1} is still in the tensor cores, then folds T_{j−1}
+// into O and packs P̂_j. K and V then have separate rings: K_j is free once S_j is waited for, V_j only
+// after T_j one iteration later; one commit group per iteration holds K_{j+2} and V_{j+1}, so each load
+// has two iterations to land. The arithmetic of every element is the same in both orders.
+template <int D, bool Overlap, int CtasPerSm = 2>
+__global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
+  using L = SmemLayout1<D, Stages1<D, CtasPerSm>()>;
   constexpr int kStages = L::kStages;
-  constexpr int kChunks = D / 16;
+  static_assert(!Overlap || kStages == 3, "the overlapped loop's group counting assumes three stages");
   constexpr int kOut = D / 2;
 
   extern __shared__ uint8_t smem_raw[];
@@ -684,15 +723,35 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
   load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
   const BlockCopier<D> copier(tid, k_row, v_row);
-  auto load_block = [&](int j) {
+  auto load_k = [&](int j) {
     const int s = j % kStages;
-    copier.issue(p, j * kBlockN, sK + s * L::kKBytes, sV + s * L::kVBytes, sKS + s * kBlockN * 4, k_g, v_g, ks_g,
-                 k_row, v_row);
+    copier.issue_k(p, j * kBlockN, sK + s * L::kKBytes, sKS + s * kBlockN * 4, k_g, ks_g, k_row);
   };
-  // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
+  auto load_v = [&](int j) { copier.issue_v(p, j * kBlockN, sV + (j % kStages) * L::kVBytes, v_g, v_row); };
+  auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
+  auto v_desc = [&](int j) { return smem_descriptor(sV + (j % kStages) * L::kVBytes, 128); };
+  auto k_scales = [&](int j) { return k_scale_smem + (j % kStages) * kBlockN; };
+  auto blocks_landed = [&]() {  // after this thread's cp.async wait: everyone's copies visible to wgmma
+    fence_proxy_async();
+    __syncthreads();
+  };
+  if constexpr (!Overlap) {
+    // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
 #pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) {
-    if (j < n_blocks) load_block(j);
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (j < n_blocks) {
+        load_k(j);
+        load_v(j);
+      }
+      cp_async_commit();
+    }
+  } else {
+    // One group {Q, K_0, V_0, K_1}; iteration j then commits {K_{j+2}, V_{j+1}}.
+    if (n_blocks > 0) {
+      load_k(0);
+      load_v(0);
+    }
+    if (n_blocks > 1) load_k(1);
     cp_async_commit();
   }
 
@@ -709,27 +768,80 @@ __global__ void __launch_bounds__(128, 2) attention_kernel_1wg(const __grid_cons
   float alpha[2];
   uint32_t pa[4][4];
 
-  for (int j = 0; j < n_blocks; ++j) {
-    const int s = j % kStages, k0 = j * kBlockN;
-    cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
-    fence_proxy_async();
-    __syncthreads();  // everyone's have, and everyone is done with block j − 1's stage
-    if (j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
-    cp_async_commit();
+  if constexpr (!Overlap) {
+    for (int j = 0; j < n_blocks; ++j) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
+      blocks_landed();               // everyone's have, and everyone is done with block j − 1's stage
+      if (j + kStages - 1 < n_blocks) {
+        load_k(j + kStages - 1);
+        load_v(j + kStages - 1);
+      }
+      cp_async_commit();
 
-    uint32_t acc[64];
-    wgmma_fence();
-    issue_qk<D>(acc, desc_q, smem_descriptor(sK + s * L::kKBytes, D));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(acc);
-    softmax_block_at(p, acc, k_scale_smem + s * kBlockN, t, k0, q0, n_valid, row, q_scale, m, l, alpha, pa);
+      uint32_t acc[64];
+      wgmma_fence();
+      issue_qk<D>(acc, desc_q, k_desc(j));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(acc);
+      softmax_block_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, pa);
+      float pv[kOut];
+      wgmma_fence();
+      issue_pv<D>(pv, pa, v_desc(j));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fold_block(o, alpha, pv);
+    }
+  } else if (n_blocks > 0) {
+    float alpha_prev[2];  // α of the block whose T is in flight
+    {                     // block 0: S_0 and its softmax, nothing to fold yet
+      cp_async_wait<0>();
+      blocks_landed();
+      if (2 < n_blocks) load_k(2);
+      if (1 < n_blocks) load_v(1);
+      cp_async_commit();
+      uint32_t acc[64];
+      wgmma_fence();
+      issue_qk<D>(acc, desc_q, k_desc(0));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(acc);
+      softmax_block_at(p, acc, k_scales(0), t, 0, q0, n_valid, row, q_scale, m, l, alpha_prev, pa);
+    }
+    for (int j = 1; j < n_blocks; ++j) {
+      cp_async_wait<1>();  // this thread's K_j and V_{j−1} (the group before last) have landed
+      blocks_landed();     // and everyone's; K_{j−1} and V_{j−2} are free (waited for last iteration)
+      if (j + 2 < n_blocks) load_k(j + 2);
+      if (j + 1 < n_blocks) load_v(j + 1);
+      cp_async_commit();
+
+      uint32_t acc[64];
+      float pv[kOut];
+      wgmma_fence();
+      issue_qk<D>(acc, desc_q, k_desc(j));
+      wgmma_commit();
+      issue_pv<D>(pv, pa, v_desc(j - 1));
+      wgmma_commit();
+      wgmma_wait<1>();  // S_j done; T_{j−1} may still run
+      fence_registers(acc);
+      float sc[64];
+      softmax_scores_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, sc);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc) fence_registers(pa[kc]);  // P̂_{j−1} live until T_{j−1} is done
+      fold_block(o, alpha_prev, pv);
+      alpha_prev[0] = alpha[0];
+      alpha_prev[1] = alpha[1];
+      pack_weights(sc, pa);
+    }
+    cp_async_wait<0>();  // V_{n−1}
+    blocks_landed();
     float pv[kOut];
     wgmma_fence();
-    issue_pv<D>(pv, pa, smem_descriptor(sV + s * L::kVBytes, 128));
+    issue_pv<D>(pv, pa, v_desc(n_blocks - 1));
     wgmma_commit();
     wgmma_wait<0>();
-    fold_block(o, alpha, pv);
+    fold_block(o, alpha_prev, pv);
   }
   cp_async_wait<0>();
   store_output<D>(p, o, m, l, row, t, b, tile.h, hk);
@@ -753,13 +865,28 @@ static cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configured) {
 
 template <int D>
 static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant) {
+  constexpr int kSmem1 = SmemLayout1<D>::kDynamic;
+  const dim3 grid1((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
   if (variant == 1) {
     static unsigned configured = 0;
-    constexpr int kSmem = SmemLayout1<D>::kDynamic;
-    cudaError_t err = allow_smem(attention_kernel_1wg<D>, kSmem, configured);
+    cudaError_t err = allow_smem(attention_kernel_1wg<D, false>, kSmem1, configured);
     if (err != cudaSuccess) return err;
-    const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
-    attention_kernel_1wg<D><<<grid, 128, kSmem, stream>>>(p);
+    attention_kernel_1wg<D, false><<<grid1, 128, kSmem1, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (variant == 2) {
+    static unsigned configured = 0;
+    cudaError_t err = allow_smem(attention_kernel_1wg<D, true>, kSmem1, configured);
+    if (err != cudaSuccess) return err;
+    attention_kernel_1wg<D, true><<<grid1, 128, kSmem1, stream>>>(p);
+    return cudaGetLastError();
+  }
+  if (variant == 3) {  // EXPERIMENT: three CTAs per SM
+    static unsigned configured = 0;
+    constexpr int kSmem3 = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
+    cudaError_t err = allow_smem(attention_kernel_1wg<D, false, 3>, kSmem3, configured);
+    if (err != cudaSuccess) return err;
+    attention_kernel_1wg<D, false, 3><<<grid1, 128, kSmem3, stream>>>(p);
     return cudaGetLastError();
   }
   static unsigned configured = 0;
@@ -773,7 +900,8 @@ static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant)
 
 const char* launch(const Params& p, int64_t stream, int variant) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
-  if (variant != 0 && variant != 1) return "sm90 kernel: variant must be 0 (warp-specialized) or 1 (one warpgroup)";
+  if (variant < 0 || variant > 3)
+    return "sm90 kernel: variant must be 0 (warp-specialized), 1 (one warpgroup) or 2 (one warpgroup, overlapped)";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
@@ -786,18 +914,26 @@ const char* launch(const Params& p, int64_t stream, int variant) {
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
+template <int D>
+static cudaError_t attributes_for(int variant, cudaFuncAttributes* attr, int* dynamic_smem) {
+  *dynamic_smem = variant == 0 ? SmemLayout<D>::kDynamic
+                 : variant == 3 ? SmemLayout1<D, Stages1<D, 3>()>::kDynamic
+                                : SmemLayout1<D>::kDynamic;
+  if (variant == 0) return cudaFuncGetAttributes(attr, attention_kernel<D>);
+  if (variant == 1) return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, false>);
+  if (variant == 3) return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, false, 3>);
+  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, true>);
+}
+
 bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
                  int* max_threads) {
+  if (variant < 0 || variant > 3) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {
-    err = variant == 1 ? cudaFuncGetAttributes(&attr, attention_kernel_1wg<128>)
-                       : cudaFuncGetAttributes(&attr, attention_kernel<128>);
-    *dynamic_smem = variant == 1 ? SmemLayout1<128>::kDynamic : SmemLayout<128>::kDynamic;
+    err = attributes_for<128>(variant, &attr, dynamic_smem);
   } else if (head_dim_padded == 64) {
-    err = variant == 1 ? cudaFuncGetAttributes(&attr, attention_kernel_1wg<64>)
-                       : cudaFuncGetAttributes(&attr, attention_kernel<64>);
-    *dynamic_smem = variant == 1 ? SmemLayout1<64>::kDynamic : SmemLayout<64>::kDynamic;
+    err = attributes_for<64>(variant, &attr, dynamic_smem);
   } else {
     return false;
   }

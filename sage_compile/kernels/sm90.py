@@ -20,9 +20,11 @@ from . import KernelArgs, check_inputs
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
 HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
-# Two launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
-# 128 rows per CTA), 1 = one warpgroup per CTA (64 rows, two CTAs per SM). SAGE_SM90_VARIANT picks one.
-# 1 is the default: faster everywhere measured (H100) but D=128 causal at 32K keys (626 vs 647 TOPS).
+# Launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
+# 128 rows per CTA), 1 = one warpgroup per CTA (64 rows, two CTAs per SM), 2 = the same with the softmax
+# of block j overlapping the PV product of block j − 1 (FlashAttention-3's intra-warpgroup overlap).
+# SAGE_SM90_VARIANT picks one. 1 is the default: faster everywhere measured (H100) but D=128 causal at
+# 32K keys (626 vs 647 TOPS).
 VARIANTS = tuple(_sm90.VARIANTS)
 DEFAULT_VARIANT = 1
 
@@ -31,8 +33,9 @@ def variant() -> int:
     text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
     if not text:
         return DEFAULT_VARIANT
-    if text not in ("0", "1"):
-        raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected 0 ({VARIANTS[0]}) or 1 ({VARIANTS[1]})")
+    if text not in [str(i) for i in range(len(VARIANTS))]:
+        choices = ", ".join(f"{i} ({name})" for i, name in enumerate(VARIANTS))
+        raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected one of {choices}")
     return int(text)
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID_Y = 65535
