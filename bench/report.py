@@ -35,19 +35,21 @@ def _sm90_table(data) -> list:
              f"triton {info['triton']}, cuDNN {info['cudnn']}", "",
              f"Kernel only, same harness and run as the columns beside it ({info['timing']}). {info['note']} "
              "Source: `kernel_bench_h100_sm90.json`.", "",
-             "| D | causal | N | sm90 v0 (warp-specialized) | sm90 v1 (one warpgroup) | sage Triton | SDPA cuDNN | "
-             "SDPA flash |", "|---|---|---|---|---|---|---|---|"]
+             "| D | causal | N | sm90 v0 (warp-specialized) | sm90 v1 (one warpgroup, 2 CTAs/SM) | "
+             "sm90 v2 (one warpgroup, 3 CTAs/SM) | sage Triton | SDPA cuDNN | SDPA flash |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('sm90_tops', 0):.0f} | "
-                     f"{r.get('sm90_1wg_tops', 0):.0f} | {r['triton_tops']:.0f} | {r.get('cudnn_tops', 0):.0f} | "
+                     f"{r.get('sm90_1wg_tops', 0):.0f} | {r.get('sm90_3cta_tops', 0):.0f} | {r['triton_tops']:.0f} | "
+                     f"{r.get('cudnn_tops', 0):.0f} | "
                      f"{r.get('flash_tops', 0):.0f} |")
     lines += ["", "Resources (registers at launch; v0 redistributes them with setmaxnreg: 224 per consumer thread, "
               "56 per producer thread):", "", "| head dim / variant | threads | registers | local (spill) bytes | "
               "dynamic shared memory |", "|---|---|---|---|---|"]
     for key, k in sorted(info["sm90_kernel"].items()):
         lines.append(f"| {key} | {k['threads']} | {k['registers']} | {k['local_bytes']} | {k['dynamic_smem_bytes']} |")
-    lines += ["", "SASS, all four kernels: " + ", ".join(f"{k} {v}" for k, v in info["sm90_sass_mix_all_kernels"].items())
-              + ". Profile of one v0 launch (D=128, N=16K; taken before the producer got its sleeping barrier wait, otherwise the same code): `ncu_sm90_h100.txt`.", "",
+    lines += ["", "SASS, all kernels: " + ", ".join(f"{k} {v}" for k, v in info["sm90_sass_mix_all_kernels"].items())
+              + f". {info.get('sm90_sass_note', '')}. Profile of one v0 launch (D=128, N=16K; session 2, before the producer got its sleeping barrier wait): `ncu_sm90_h100.txt`; session 3's profiles of v1 and v2: `ncu_sm90_session3_h100.txt`.", "",
               "Accuracy of the sm90 kernel vs fp32 SDPA (B=1, H=8, N=4096, D=128):", "",
               "| causal | distribution | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|"]
     for causal, acc in sorted(data["accuracy"].items()):

@@ -2,7 +2,7 @@
 # One device call for the native sm90 kernel: build (ptxas report), SASS mix, its GPU tests, kernel bench.
 #   bash bench/sm90_check.sh [test|bench|all|none] [kernel_bench args...]
 # PROFILE_VARIANT="v ..." adds an ncu profile (full set, per-instruction stall samples) of launch variant v at
-# D=128, N=16K (PROFILE_ARGS="N D causal" to change) and then the whole tests/gpu suite.
+# D=128, N=16K (PROFILE_ARGS="N D causal" to change); GPU_SUITE=1 then runs the whole tests/gpu suite.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mode=${1:-all}; shift || true
@@ -54,3 +54,7 @@ for pv in ${PROFILE_VARIANT:-}; do  # e.g. PROFILE_VARIANT="1 3"
   python tools/ncu_hotspots.py "$OUT/ncu_details_v$pv.txt" "$OUT/ncu_source_v$pv.csv" > "$OUT/ncu_hotspots_v$pv.txt" 2>&1
   head -${PROFILE_LINES:-40} "$OUT/ncu_hotspots_v$pv.txt"; rm -f "$OUT/ncu_source_v$pv.csv" "$OUT/ncu_run_v$pv.log"
 done
+if [ -n "${GPU_SUITE:-}" ]; then  # the whole GPU test suite (all kernels, the pipeline, CUDA graphs)
+  xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout ${SUITE_TIMEOUT:-280} python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+fi

@@ -4,10 +4,10 @@
 // (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
 // 448 folded into the exponent.
 //
-// Two launch shapes of that one function (the `variant` of launch(); the Python side defaults to 1):
-// * v1 (attention_kernel_1wg): one warpgroup per CTA, 64 query rows, two CTAs per SM — every thread
-//   issues its share of a cp.async multistage pipeline; the two resident CTAs overlap each other's
-//   softmax and wgmmas. The Triton kernel's shape.
+// Launch shapes of that one function (the `variant` of launch(); the Python side picks 1 at D=128, 2 at D=64):
+// * v1, v2 (attention_kernel_1wg): one warpgroup per CTA, 64 query rows, two (v1) or three (v2) CTAs per
+//   SM — every thread issues its share of a cp.async multistage pipeline; the resident CTAs overlap each
+//   other's softmax and wgmmas. The Triton kernel's shape.
 // * v0 (attention_kernel): 128 query rows per CTA, 384 threads — a producer warpgroup (setmaxnreg 56)
 //   copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64)
 //   with cp.async, completing on per-stage mbarriers (cp.async.mbarrier.arrive.noinc; a second mbarrier
@@ -409,27 +409,19 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa
   }
 }
 
-// The softmax of key block k0 for rows from wg_row0 on (weights left in `sc`): the masked path only where
-// a key is out of range or causally hidden for some row of the warpgroup.
-__device__ __forceinline__ void softmax_scores_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s,
-                                                  int t, int k0, int wg_row0, int n_valid, const int (&row)[2],
-                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
-                                                  float (&alpha)[2], float (&sc)[64]) {
+// The softmax of key block k0 for rows from wg_row0 on, P̂ packed for the PV product: the masked path
+// only where a key is out of range or causally hidden for some row of the warpgroup.
+__device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
+                                                 int k0, int wg_row0, int n_valid, const int (&row)[2],
+                                                 const float (&q_scale)[2], float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2], uint32_t (&pa)[4][4]) {
   const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+  float sc[64];
   if (masked) {
     softmax_scores<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
   } else {
     softmax_scores<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
   }
-}
-
-// The same, with P̂ packed for the PV product.
-__device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
-                                                 int k0, int wg_row0, int n_valid, const int (&row)[2],
-                                                 const float (&q_scale)[2], float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2], uint32_t (&pa)[4][4]) {
-  float sc[64];
-  softmax_scores_at(p, acc, ks_s, t, k0, wg_row0, n_valid, row, q_scale, m, l, alpha, sc);
   pack_weights(sc, pa);
 }
 
@@ -661,10 +653,12 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Variant 1: one warpgroup per CTA (64 query rows, 128 threads, two CTAs per SM), the Triton kernel's
-// shape: no producer, no ping-pong; the two resident CTAs overlap each other's softmax and wgmmas. Every
-// thread issues its share of the next block's cp.async (classic multistage pipeline: commit groups,
-// wait_group, one barrier per block). Same numerics as the warp-specialized kernel.
+// Variants 1 and 2: one warpgroup per CTA (64 query rows, 128 threads), two or three CTAs per SM — the
+// Triton kernel's shape: no producer, no ping-pong; the resident CTAs overlap each other's softmax and
+// wgmmas. Every thread issues its share of the next block's cp.async (classic multistage pipeline: commit
+// groups, wait_group, one barrier per block). Same numerics as the warp-specialized kernel. Three CTAs
+// per SM cap registers at 168 (D=64 fits; D=128 spills a few O registers) and leave room for two stages
+// at D=128. FlashAttention-3's intra-warpgroup overlap was tried on this shape and lost (notes).
 // ---------------------------------------------------------------------------------------------------
 constexpr int kBlockM1 = 64;
 
@@ -692,17 +686,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// Overlap = false (v1): per block, S_j = Q·K_jᵀ, wait, softmax, T_j = P̂_j·V̂_j, wait, fold.
-// Overlap = true (v2, FlashAttention-3's intra-warpgroup overlap): iteration j issues S_j and T_{j−1}
-// back to back, runs the softmax of block j while T_{j−1} is still in the tensor cores, then folds T_{j−1}
-// into O and packs P̂_j. K and V then have separate rings: K_j is free once S_j is waited for, V_j only
-// after T_j one iteration later; one commit group per iteration holds K_{j+2} and V_{j+1}, so each load
-// has two iterations to land. The arithmetic of every element is the same in both orders.
-template <int D, bool Overlap, int CtasPerSm = 2>
+template <int D, int CtasPerSm>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
   using L = SmemLayout1<D, Stages1<D, CtasPerSm>()>;
   constexpr int kStages = L::kStages;
-  static_assert(!Overlap || kStages == 3, "the overlapped loop's group counting assumes three stages");
   constexpr int kOut = D / 2;
 
   extern __shared__ uint8_t smem_raw[];
@@ -723,11 +710,11 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
   load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
   const BlockCopier<D> copier(tid, k_row, v_row);
-  auto load_k = [&](int j) {
+  auto load_block = [&](int j) {
     const int s = j % kStages;
-    copier.issue_k(p, j * kBlockN, sK + s * L::kKBytes, sKS + s * kBlockN * 4, k_g, ks_g, k_row);
+    copier.issue(p, j * kBlockN, sK + s * L::kKBytes, sV + s * L::kVBytes, sKS + s * kBlockN * 4, k_g, v_g, ks_g,
+                 k_row, v_row);
   };
-  auto load_v = [&](int j) { copier.issue_v(p, j * kBlockN, sV + (j % kStages) * L::kVBytes, v_g, v_row); };
   auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
   auto v_desc = [&](int j) { return smem_descriptor(sV + (j % kStages) * L::kVBytes, 128); };
   auto k_scales = [&](int j) { return k_scale_smem + (j % kStages) * kBlockN; };
@@ -735,23 +722,10 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     fence_proxy_async();
     __syncthreads();
   };
-  if constexpr (!Overlap) {
-    // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
+  // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
 #pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) {
-      if (j < n_blocks) {
-        load_k(j);
-        load_v(j);
-      }
-      cp_async_commit();
-    }
-  } else {
-    // One group {Q, K_0, V_0, K_1}; iteration j then commits {K_{j+2}, V_{j+1}}.
-    if (n_blocks > 0) {
-      load_k(0);
-      load_v(0);
-    }
-    if (n_blocks > 1) load_k(1);
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < n_blocks) load_block(j);
     cp_async_commit();
   }
 
@@ -768,80 +742,25 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   float alpha[2];
   uint32_t pa[4][4];
 
-  if constexpr (!Overlap) {
-    for (int j = 0; j < n_blocks; ++j) {
-      cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
-      blocks_landed();               // everyone's have, and everyone is done with block j − 1's stage
-      if (j + kStages - 1 < n_blocks) {
-        load_k(j + kStages - 1);
-        load_v(j + kStages - 1);
-      }
-      cp_async_commit();
+  for (int j = 0; j < n_blocks; ++j) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
+    blocks_landed();               // everyone's have, and everyone is done with block j − 1's stage
+    if (j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
+    cp_async_commit();
 
-      uint32_t acc[64];
-      wgmma_fence();
-      issue_qk<D>(acc, desc_q, k_desc(j));
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(acc);
-      softmax_block_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, pa);
-      float pv[kOut];
-      wgmma_fence();
-      issue_pv<D>(pv, pa, v_desc(j));
-      wgmma_commit();
-      wgmma_wait<0>();
-      fold_block(o, alpha, pv);
-    }
-  } else if (n_blocks > 0) {
-    float alpha_prev[2];  // α of the block whose T is in flight
-    {                     // block 0: S_0 and its softmax, nothing to fold yet
-      cp_async_wait<0>();
-      blocks_landed();
-      if (2 < n_blocks) load_k(2);
-      if (1 < n_blocks) load_v(1);
-      cp_async_commit();
-      uint32_t acc[64];
-      wgmma_fence();
-      issue_qk<D>(acc, desc_q, k_desc(0));
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(acc);
-      softmax_block_at(p, acc, k_scales(0), t, 0, q0, n_valid, row, q_scale, m, l, alpha_prev, pa);
-    }
-    for (int j = 1; j < n_blocks; ++j) {
-      cp_async_wait<1>();  // this thread's K_j and V_{j−1} (the group before last) have landed
-      blocks_landed();     // and everyone's; K_{j−1} and V_{j−2} are free (waited for last iteration)
-      if (j + 2 < n_blocks) load_k(j + 2);
-      if (j + 1 < n_blocks) load_v(j + 1);
-      cp_async_commit();
-
-      uint32_t acc[64];
-      float pv[kOut];
-      wgmma_fence();
-      issue_qk<D>(acc, desc_q, k_desc(j));
-      wgmma_commit();
-      issue_pv<D>(pv, pa, v_desc(j - 1));
-      wgmma_commit();
-      wgmma_wait<1>();  // S_j done; T_{j−1} may still run
-      fence_registers(acc);
-      float sc[64];
-      softmax_scores_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, sc);
-      wgmma_wait<0>();
-#pragma unroll
-      for (int kc = 0; kc < 4; ++kc) fence_registers(pa[kc]);  // P̂_{j−1} live until T_{j−1} is done
-      fold_block(o, alpha_prev, pv);
-      alpha_prev[0] = alpha[0];
-      alpha_prev[1] = alpha[1];
-      pack_weights(sc, pa);
-    }
-    cp_async_wait<0>();  // V_{n−1}
-    blocks_landed();
-    float pv[kOut];
+    uint32_t acc[64];
     wgmma_fence();
-    issue_pv<D>(pv, pa, v_desc(n_blocks - 1));
+    issue_qk<D>(acc, desc_q, k_desc(j));
     wgmma_commit();
     wgmma_wait<0>();
-    fold_block(o, alpha_prev, pv);
+    fence_registers(acc);
+    softmax_block_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, pa);
+    float pv[kOut];
+    wgmma_fence();
+    issue_pv<D>(pv, pa, v_desc(j));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fold_block(o, alpha, pv);
   }
   cp_async_wait<0>();
   store_output<D>(p, o, m, l, row, t, b, tile.h, hk);
@@ -863,32 +782,21 @@ static cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configured) {
   return cudaSuccess;
 }
 
+template <int D, int CtasPerSm>
+static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
+  static unsigned configured = 0;
+  constexpr int kSmem = SmemLayout1<D, Stages1<D, CtasPerSm>()>::kDynamic;
+  cudaError_t err = allow_smem(attention_kernel_1wg<D, CtasPerSm>, kSmem, configured);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
+  attention_kernel_1wg<D, CtasPerSm><<<grid, 128, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <int D>
 static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant) {
-  constexpr int kSmem1 = SmemLayout1<D>::kDynamic;
-  const dim3 grid1((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
-  if (variant == 1) {
-    static unsigned configured = 0;
-    cudaError_t err = allow_smem(attention_kernel_1wg<D, false>, kSmem1, configured);
-    if (err != cudaSuccess) return err;
-    attention_kernel_1wg<D, false><<<grid1, 128, kSmem1, stream>>>(p);
-    return cudaGetLastError();
-  }
-  if (variant == 2) {
-    static unsigned configured = 0;
-    cudaError_t err = allow_smem(attention_kernel_1wg<D, true>, kSmem1, configured);
-    if (err != cudaSuccess) return err;
-    attention_kernel_1wg<D, true><<<grid1, 128, kSmem1, stream>>>(p);
-    return cudaGetLastError();
-  }
-  if (variant == 3) {  // EXPERIMENT: three CTAs per SM
-    static unsigned configured = 0;
-    constexpr int kSmem3 = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
-    cudaError_t err = allow_smem(attention_kernel_1wg<D, false, 3>, kSmem3, configured);
-    if (err != cudaSuccess) return err;
-    attention_kernel_1wg<D, false, 3><<<grid1, 128, kSmem3, stream>>>(p);
-    return cudaGetLastError();
-  }
+  if (variant == 1) return launch_1wg<D, 2>(p, stream);
+  if (variant == 2) return launch_1wg<D, 3>(p, stream);
   static unsigned configured = 0;
   constexpr int kSmem = SmemLayout<D>::kDynamic;
   cudaError_t err = allow_smem(attention_kernel<D>, kSmem, configured);
@@ -900,8 +808,8 @@ static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant)
 
 const char* launch(const Params& p, int64_t stream, int variant) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
-  if (variant < 0 || variant > 3)
-    return "sm90 kernel: variant must be 0 (warp-specialized), 1 (one warpgroup) or 2 (one warpgroup, overlapped)";
+  if (variant < 0 || variant > 2)
+    return "sm90 kernel: variant must be 0 (warp-specialized), 1 or 2 (one warpgroup, two or three CTAs per SM)";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
@@ -916,18 +824,21 @@ const char* launch(const Params& p, int64_t stream, int variant) {
 
 template <int D>
 static cudaError_t attributes_for(int variant, cudaFuncAttributes* attr, int* dynamic_smem) {
-  *dynamic_smem = variant == 0 ? SmemLayout<D>::kDynamic
-                 : variant == 3 ? SmemLayout1<D, Stages1<D, 3>()>::kDynamic
-                                : SmemLayout1<D>::kDynamic;
-  if (variant == 0) return cudaFuncGetAttributes(attr, attention_kernel<D>);
-  if (variant == 1) return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, false>);
-  if (variant == 3) return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, false, 3>);
-  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, true>);
+  if (variant == 0) {
+    *dynamic_smem = SmemLayout<D>::kDynamic;
+    return cudaFuncGetAttributes(attr, attention_kernel<D>);
+  }
+  if (variant == 1) {
+    *dynamic_smem = SmemLayout1<D, Stages1<D, 2>()>::kDynamic;
+    return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2>);
+  }
+  *dynamic_smem = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
+  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3>);
 }
 
 bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
                  int* max_threads) {
-  if (variant < 0 || variant > 3) return false;
+  if (variant < 0 || variant > 2) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {

@@ -87,7 +87,7 @@ PYBIND11_MODULE(_sm90, m) {
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
         py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0);
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0);
-  m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_overlapped", "one_warpgroup_3ctas");
+  m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas");
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;
 }

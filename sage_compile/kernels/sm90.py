@@ -21,22 +21,24 @@ NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
 HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
 # Launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
-# 128 rows per CTA), 1 = one warpgroup per CTA (64 rows, two CTAs per SM), 2 = the same with the softmax
-# of block j overlapping the PV product of block j − 1 (FlashAttention-3's intra-warpgroup overlap).
-# SAGE_SM90_VARIANT picks one. 1 is the default: faster everywhere measured (H100) but D=128 causal at
-# 32K keys (626 vs 647 TOPS).
+# 128 rows per CTA); 1, 2 = one warpgroup per CTA (64 rows) with two or three CTAs per SM.
+# SAGE_SM90_VARIANT pins one; by default each head dim gets the shape measured fastest there (H100,
+# docs/results/sm90_history_h100.json): three CTAs at D=64 (+12-14% over two), two at D=128 (three
+# spill a few registers and lose 5-10% at N >= 16K).
 VARIANTS = tuple(_sm90.VARIANTS)
-DEFAULT_VARIANT = 1
+DEFAULT_VARIANT = {64: 2, 128: 1}  # padded head dim → launch variant
 
 
-def variant() -> int:
+def variant(padded_head_dim: int) -> int:
     text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
     if not text:
-        return DEFAULT_VARIANT
+        return DEFAULT_VARIANT[padded_head_dim]
     if text not in [str(i) for i in range(len(VARIANTS))]:
         choices = ", ".join(f"{i} ({name})" for i, name in enumerate(VARIANTS))
         raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected one of {choices}")
     return int(text)
+
+
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID_Y = 65535
 
@@ -121,10 +123,11 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
-        variant=variant() if launch_variant is None else launch_variant,
+        variant=variant(dp) if launch_variant is None else launch_variant,
     )
 
 
 def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel."""
-    return dict(_sm90.kernel_info(padded_head_dim, variant() if launch_variant is None else launch_variant))
+    chosen = variant(padded_head_dim) if launch_variant is None else launch_variant
+    return dict(_sm90.kernel_info(padded_head_dim, chosen), variant=VARIANTS[chosen])

@@ -31,7 +31,7 @@ from sage_compile.kernels import triton as tk  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-VARIANTS = [0, 1, 2, 3]  # warp-specialized, one warpgroup per CTA, the same overlapped, experiment
+VARIANTS = [0, 1, 2]  # warp-specialized; one warpgroup per CTA, two or three CTAs per SM
 
 
 def run_sm90(args, variant=0):
@@ -160,13 +160,18 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
 
 
 def test_kernel_info_reports_no_spills():
+    """The launch shape each head dim gets by default never spills (three CTAs per SM at D=128 does spill a
+    few O registers: that is why it is not D=128's default)."""
+    for d in sm90.HEAD_DIMS:
+        info = sm90.kernel_info(d)
+        assert info["local_bytes"] == 0, info  # no spills to local memory
+        assert info["variant"] == sm90.VARIANTS[sm90.DEFAULT_VARIANT[d]]
     for variant in VARIANTS:
         for d in sm90.HEAD_DIMS:
             info = sm90.kernel_info(d, variant)
-            assert info["local_bytes"] == 0, info  # no spills to local memory
-            assert info["registers"] <= 255 and info["threads"] >= 128
+            assert info["registers"] <= 255 and info["threads"] >= 128, info
 
 
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
-    check_accuracy_vs_fp32(lambda args: run_sm90(args, sm90.DEFAULT_VARIANT)[0], causal, "sm90")
+    check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], causal, "sm90")
