@@ -56,6 +56,20 @@ def prep_only(xq, xk, v, cos, sin):
     return p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale
 
 
+def prep_fused(xq, xk, v, cos, sin):
+    """The fused rope prep (sage_compile/prep.py) on the same inputs: what backend="sage" runs for this
+    producer when passes/absorb_rope.py absorbs it (tables broadcast and transposed as the pass does)."""
+    from sage_compile import prep, spec
+
+    def tables(x):
+        c, s = (t.expand(*x.shape[:-1], x.shape[-1] // 2).transpose(1, 2) for t in (cos, sin))
+        return [c, s, c, s]
+
+    p = prep.rope_prepare(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tables(xq), tables(xk),
+                          xq.shape[-1] ** -0.5, spec.Quantization())
+    return p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale
+
+
 def rope_only(xq, xk, v, cos, sin):
     return rope(xq, cos, sin), rope(xk, cos, sin)
 
@@ -81,6 +95,12 @@ def prep_floor_bytes(batch, n, heads, d) -> int:
     """Read x_q, x_k, v (bf16) once, write int8 q, k, e4m3 Vᵀ, fp32 per-token scales once."""
     elems = batch * n * heads * d
     return 3 * elems * 2 + 3 * elems + 2 * batch * heads * n * 4
+
+
+def prep_two_pass_bytes(batch, n, heads, d) -> int:
+    """The floor plus a second read of x_k and v: μK and δV are reductions over all tokens that must be
+    known before any k or v element is quantized, so a prep that does not keep K/V on chip reads them twice."""
+    return prep_floor_bytes(batch, n, heads, d) + 2 * batch * n * heads * d * 2
 
 
 def count_kernels(fn, args) -> int:
@@ -138,26 +158,33 @@ def _main(argv=None):
             inductor_by_n = {n: torch.compile(block, dynamic=False) for n in ns}
             dynamic = not opts.static
             sage = sage_compile.compile(block, config=sage_cfg, dynamic=dynamic)
+            sage_generic = sage_compile.compile(block, config=sage_cfg.replace(fuse_rope=False), dynamic=dynamic)
             compiled[causal] = sage
             prep = torch.compile(prep_only, dynamic=dynamic)
+            fused = torch.compile(prep_fused, dynamic=dynamic)
             ropes = torch.compile(rope_only, dynamic=dynamic)
             for n in ns:
                 batch = max(1, TOKENS // n)  # B·N = 16K tokens; one sequence from 16K up
                 sets = [make_inputs(batch, n, heads, d, seed) for seed in range(N_SETS)]
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
-                for name, fn in (("inductor", inductor_by_n[n]), ("sage", sage), ("prep", prep), ("rope", ropes)):
+                for name, fn in (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
+                                 ("prep", prep), ("prep_fused", fused), ("rope", ropes)):
                     with torch.no_grad():
                         fn(*sets[0])
                         row[f"{name}_ms"] = _bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets]))
-                for name in ("inductor", "sage"):
+                for name in ("inductor", "sage", "sage_generic"):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
                 row["speedup"] = row["inductor_ms"] / row["sage_ms"]
+                row["speedup_generic_prep"] = row["inductor_ms"] / row["sage_generic_ms"]
                 row["prep_floor_ms"] = prep_floor_bytes(batch, n, heads, d) / bandwidth * 1e3
+                row["prep_two_pass_ms"] = prep_two_pass_bytes(batch, n, heads, d) / bandwidth * 1e3
                 row["prep_over_floor"] = row["prep_ms"] / row["prep_floor_ms"]
+                row["prep_fused_over_floor"] = row["prep_fused_ms"] / row["prep_floor_ms"]
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
             results["prep_kernels"][f"d{d}_causal{int(causal)}"] = count_kernels(prep, sets[0])
+            results["prep_kernels"][f"d{d}_causal{int(causal)}_fused"] = count_kernels(fused, sets[0])
         if not opts.no_accuracy and {0, 1} <= {int(c) for c in opts.causal.split(",")}:
             results["accuracy"] += _accuracy(compiled, d)
 
@@ -168,10 +195,15 @@ def _main(argv=None):
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
           f"copy {results['copy_bandwidth_gbs']:.0f} GB/s; prep kernels {results['prep_kernels']}; "
           f"sage kernel {results['sage_kernel']}")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'x':>5} {'prep ms':>8} {'floor':>6} {'/floor':>6}")
+    print("TOPS end to end (sage = fused rope prep, generic = Inductor's fusion of the prep); prep ms: generic, "
+          "fused, memory floor")
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'generic':>7} {'x':>5} {'x gen':>5} "
+          f"{'prep':>7} {'fused':>7} {'floor':>6} {'/floor':>6}")
     for r in results["rows"]:
         print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
-              f"{r['speedup']:>5.2f} {r['prep_ms']:>8.3f} {r['prep_floor_ms']:>6.3f} {r['prep_over_floor']:>6.2f}")
+              f"{r['sage_generic_tops']:>7.0f} {r['speedup']:>5.2f} {r['speedup_generic_prep']:>5.2f} "
+              f"{r['prep_ms']:>7.3f} {r['prep_fused_ms']:>7.3f} {r['prep_floor_ms']:>6.3f} "
+              f"{r['prep_fused_over_floor']:>6.2f}")
     for a in results["accuracy"]:
         print(f"accuracy D{a['d']} {a['dist']:>12} causal={int(a['causal'])}: cos {a['cos']:.6f} "
               f"relL1 {a['rel_l1']:.4f} rmse {a['rmse']:.2e}")

@@ -9,6 +9,7 @@ from .spec import Quantization
 
 FALLBACKS = ("sdpa", "error")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+_PLUMBING = ("inner_backend", "fuse_rope")  # fields that are not sage.attention arguments
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,9 @@ class SageConfig:
     counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key lengths (None: the
     measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32``
     quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
-    Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager.
+    Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
+    ``fuse_rope`` (on) lets a half-split rotary that makes q and k run inside the fused prep
+    (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep.
     """
 
     qk: str = "int8"
@@ -38,10 +41,11 @@ class SageConfig:
     min_seq_len: Optional[int] = None
     allow_fp32: bool = False
     inner_backend: str = "inductor"
+    fuse_rope: bool = True
 
     def __post_init__(self):
         self.quantization()  # validates the numerics fields
-        op_fields = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "inner_backend"}
+        op_fields = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PLUMBING}
         object.__setattr__(self, "_op_kwargs", op_fields)
         if self.fallback not in FALLBACKS:
             raise ValueError(f"SageConfig.fallback={self.fallback!r}: expected one of {FALLBACKS}")

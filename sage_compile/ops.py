@@ -1,9 +1,12 @@
-"""The two torch.library ops. Registered when this module is first imported (never by ``import
+"""The torch.library ops. Registered when this module is first imported (never by ``import
 sage_compile``): the backend, ``sage_attention`` and the tests import it.
 
 * ``sage::attention`` — CompositeImplicitAutograd: AOTAutograd (and eager mode) decompose it into the
   prep in aten ops (``spec.prepare``) followed by ``sage::quantized_attention``, so Inductor can fuse the
   prep into whatever produced q/k/v.
+* ``sage::rope_attention`` — the same for q, k made by a half-split rotary (placed by
+  passes/absorb_rope.py): the rotary goes into a fused prep (``sage_compile/prep.py``: ``sage::rope_mean``,
+  ``sage::rope_quantize``, Triton on CUDA) instead of Inductor's generic fusion.
 * ``sage::quantized_attention`` — opaque; its implementation is chosen per device by ``dispatch``.
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import dispatch, spec
+from . import dispatch, prep, spec
 from .config import SageConfig
 from .kernels import KernelArgs
 from .sites import UnsupportedAttentionError
@@ -30,6 +33,15 @@ _LIB.define(
     "str k_granularity='per_token', int q_block=128, int k_block=64, bool smooth_k=True, bool smooth_q=False, "
     "bool smooth_v=False, str pv='fp8', str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False, "
     "Tensor? kv_lens=None) -> Tensor"
+)
+
+
+_LIB.define(
+    "rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, Tensor? attn_mask=None, "
+    "float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False, str qk='int8', "
+    "str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
+    "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', str fallback='sdpa', "
+    "int? min_seq_len=None, bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
 )
 
 
@@ -53,11 +65,37 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
                              fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
     """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported.
     (The dispatcher passes what the caller passed, positionally or not: the defaults repeat the schema.)"""
+    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
+                     fallback, min_seq_len, allow_fp32)
+    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens)
+
+
+@torch.library.impl(_LIB, "rope_attention", "CompositeImplicitAutograd")
+def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None, dropout_p=0.0, scale=None, causal=0,
+                                  enable_gqa=False, qk="int8", q_granularity="per_token", k_granularity="per_token",
+                                  q_block=128, k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
+                                  fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
+    """sage.attention(rope(xq), rope(xk), v) with the rotary fused into the prep (sage_compile/prep.py);
+    placed by passes/absorb_rope.py. Inputs the fused prep does not take go through sage.attention's own
+    path on the rotated q and k (computed in aten here; dead code, removed, when the fused prep runs)."""
+    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
+                     fallback, min_seq_len, allow_fp32)
+    q = prep.rope_reference(xq, q_tables).to(xq.dtype)
+    k = prep.rope_reference(xk, k_tables).to(xk.dtype)
+    quant = config.quantization()
+    fused = None
+    if prep.fast_path_reason(xq, xk, quant, kv_lens) is None:
+        def fused(scale_):
+            return prep.rope_prepare(xq, xk, v, q_tables, k_tables, scale_, quant)
+    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
+
+
+def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, prepare=None):
+    """The prep (``prepare(scale)`` when given, else spec.prepare in aten) + sage.quantized_attention where
+    supported and faster; else F.sdpa — reported, or raised with fallback='error'."""
     check_attention_inputs(q, k, v)
     if causal not in spec.CAUSAL_NAMES:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
-    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
-                     fallback, min_seq_len, allow_fp32)
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
     reason = unsupported_reason(call, config, torch.is_grad_enabled())
     if reason is not None:
@@ -69,7 +107,11 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens)
+    if prepare is not None:
+        p = prepare(scale)
+        torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
+    else:
+        p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens)
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         spec.kernel_mask(spec.broadcast_mask(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,

@@ -168,6 +168,27 @@ def prepare(
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
+    v_t, v_scale, v_mean = prepare_v(v, quant, kv_lens)
+    lse_shift = None
+    if want_lse:
+        lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
+    return Prepared(
+        q=_pad_last(q8, pad),
+        q_scale=q_delta * score_scale,
+        k=_pad_last(k8, pad),
+        k_scale=k_delta,
+        v=v_t,
+        v_scale=v_scale,
+        v_mean=v_mean,
+        delta_s=delta_s,
+        q_group=quant.q_block,
+        lse_shift=lse_shift,
+    )
+
+
+def prepare_v(v: torch.Tensor, quant: Quantization, kv_lens: Optional[torch.Tensor] = None):
+    """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None)."""
+    pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
     vf = v.float()
     v_mean = None
     if quant.smooth_v:
@@ -183,23 +204,7 @@ def prepare(
     token_pad = (-n_k) % 16
     if not (statically_known_true(token_pad == 0) and pad == 0):
         v_t = torch.nn.functional.pad(v_t, (0, token_pad, 0, pad))
-    v_t = v_t.contiguous()
-
-    lse_shift = None
-    if want_lse:
-        lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
-    return Prepared(
-        q=_pad_last(q8, pad),
-        q_scale=q_delta * score_scale,
-        k=_pad_last(k8, pad),
-        k_scale=k_delta,
-        v=v_t,
-        v_scale=_pad_last(v_delta, pad, value=1.0),
-        v_mean=v_mean,
-        delta_s=delta_s,
-        q_group=quant.q_block,
-        lse_shift=lse_shift,
-    )
+    return v_t.contiguous(), _pad_last(v_delta, pad, value=1.0), v_mean
 
 
 def _pad_last(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Triton kernels of the fused rope prep (sage_compile/prep.py): rope(x) on a [tokens × D/2] tile pair
+(x₁, x₂), then either per-channel partial sums (for μK) or per-token int8 quantization.
+
+Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
+order with fp contraction off (no FMA), IEEE division (div_rn) for δ and x/δ, rint (round half to even).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+BLOCK_N = 64  # tokens per tile
+TINY = torch.finfo(torch.float32).tiny
+
+
+@triton.jit
+def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
+               c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+               c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+               b, h, rows, cols, mask, HALF: tl.constexpr):
+    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each."""
+    r = rows[:, None]
+    c = cols[None, :]
+    xb = x_ptr + b * sxb + h * sxh + r * sxn + c * sxd
+    x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
+                     c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                     c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                     out_ptr, H, N, TILES_PER_SPLIT,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """out[bh, split, :] = Σ over the split's tokens of rope(x) (tiles in order: deterministic)."""
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, HALF)
+    acc1 = tl.zeros([HALF], dtype=tl.float32)
+    acc2 = tl.zeros([HALF], dtype=tl.float32)
+    for t in range(0, TILES_PER_SPLIT):
+        rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows < N)[:, None]
+        r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF)
+        acc1 += tl.sum(r1, axis=0)
+        acc2 += tl.sum(r2, axis=0)
+    base = out_ptr + (bh * tl.num_programs(0) + split) * (2 * HALF)
+    tl.store(base + cols, acc1)
+    tl.store(base + HALF + cols, acc2)
+
+
+@triton.jit
+def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
+                          c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                          c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                          mean_ptr, out_ptr, scale_ptr, out_scale, H, N,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """int8 rope(x) − μ per token (δ = max(amax, tiny)/127, x̂ = rint(x/δ) clamped) and δ·out_scale."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, HALF)
+    row_ok = rows < N
+    mask = row_ok[:, None]
+    r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF)
+    if HAS_MEAN:
+        r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
+        r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
+    delta = tl.math.div_rn(tl.maximum(amax, 1.1754943508222875e-38), 127.0)
+    q1 = libdevice.rint(tl.math.div_rn(r1, delta[:, None]))
+    q2 = libdevice.rint(tl.math.div_rn(r2, delta[:, None]))
+    q1 = tl.minimum(tl.maximum(q1, -127.0), 127.0).to(tl.int8)
+    q2 = tl.minimum(tl.maximum(q2, -127.0), 127.0).to(tl.int8)
+    out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
+    tl.store(out, q1, mask=mask)
+    tl.store(out + HALF, q2, mask=mask)
+    tl.store(scale_ptr + bh * N + rows, delta * out_scale, mask=row_ok)
+
+
+def _x_args(x: torch.Tensor) -> list:
+    return [x, *x.stride()]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def rope_partial_sums(x: torch.Tensor, table_args: list) -> torch.Tensor:
+    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens (splits chosen to fill the GPU)."""
+    batch, heads, n, d = x.shape
+    tiles = triton.cdiv(n, BLOCK_N)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    splits = max(1, min(tiles, triton.cdiv(4 * _sm_count(index), batch * heads)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)
+    partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
+    _rope_sum_kernel[(splits, batch * heads)](*_x_args(x), *table_args, partial, heads, n, tiles_per_split,
+                                              HALF=d // 2, BLOCK=BLOCK_N, num_warps=4, enable_fp_fusion=False)
+    return partial
+
+
+def launch_rope_quantize(x, table_args, mean, out_scale, x8, scales) -> None:
+    batch, heads, n, d = x.shape
+    mean_arg = mean.contiguous() if mean is not None else scales
+    _rope_quantize_kernel[(triton.cdiv(n, BLOCK_N), batch * heads)](
+        *_x_args(x), *table_args, mean_arg, x8, scales, float(out_scale), heads, n,
+        HALF=d // 2, BLOCK=BLOCK_N, HAS_MEAN=mean is not None, num_warps=4, enable_fp_fusion=False)

@@ -1,0 +1,134 @@
+"""Fused prep for the commonest producer of q and k: the half-split rotary embedding (RoPE).
+
+Inductor fuses ``spec.prepare`` into the rotary that produced q and k, but not near the memory floor: its
+Q kernel (rotary + per-token amax + int8 cast) ran at 3.4× its floor on the H200 and its K prep read k
+three times (docs/notes.md). When the stage-1 pass ``passes/absorb_rope.py`` finds q and k made by a
+half-split rotary, the site becomes ``sage.rope_attention``, whose prep is two opaque ops with Triton
+kernels on CUDA:
+
+* ``sage::rope_mean(x, tables)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing); one
+  read of x, split over token ranges, partial sums added in a fixed order (deterministic).
+* ``sage::rope_quantize(x, tables, mean, out_scale)`` — rope(x) − μ, per-token amax, int8 with
+  round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
+
+Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] and four tables c₁, s₁, c₂, s₂
+broadcastable to x₁ (for the usual half tables c₁ = c₂ = cos, s₁ = s₂ = sin; for HF's full-width
+``x·cos + rotate_half(x)·sin`` they are cos/sin's halves):
+
+    rope(x) = cat(x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂)         computed in fp32, no fused multiply-adds.
+
+The numerics are ``spec.prepare`` applied to that fp32 rope(x) (what Inductor's fused path computes too:
+it keeps a fused chain in fp32): ``rope_prepare`` below is the spec for this path and the CPU
+implementation; the Triton kernels agree with it exactly (IEEE division, round-half-even, no FMA) up to
+the summation order of μ.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import spec
+
+TINY = torch.finfo(torch.float32).tiny
+HEAD_DIMS = (64, 128)  # the Triton kernels' head dims (D = padded D: no padding pass needed)
+
+
+def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
+    """fp32 rope(x) for x [..., D]; tables = (c₁, s₁, c₂, s₂), each broadcastable to x[..., :D/2]."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :h], xf[..., h:]
+    c1, s1, c2, s2 = (t.float() for t in tables)
+    return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
+
+
+def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization) -> spec.Prepared:
+    """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
+    [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
+    k_mean = torch.ops.sage.rope_mean(xk, list(k_tables)) if quant.smooth_k else None
+    q8, q_scale = torch.ops.sage.rope_quantize(xq, list(q_tables), None, scale * spec.LOG2E)
+    k8, k_scale = torch.ops.sage.rope_quantize(xk, list(k_tables), k_mean, 1.0)
+    v_t, v_scale, v_mean = spec.prepare_v(v, quant)
+    return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
+                         delta_s=None, q_group=quant.q_block, lse_shift=None)
+
+
+def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]:
+    """Why the fused rope prep cannot serve these inputs (None: it can)."""
+    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity != "per_token":
+        return "fused rope prep does int8 per-token Q/K only"
+    if quant.smooth_q:
+        return "fused rope prep does not do smooth_q"
+    if kv_lens is not None:
+        return "fused rope prep does not take kv_lens"
+    if xq.shape[-1] not in HEAD_DIMS or xq.dim() != 4 or xk.dim() != 4:
+        return f"fused rope prep needs 4-D q/k with head dim in {HEAD_DIMS}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The two ops: the reference (CPU, and any device without Triton) and the Triton kernels (CUDA).
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("sage::rope_mean", mutates_args=())
+def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
+    """mean over tokens of rope(x): fp32 [B,H,1,D]."""
+    return rope_reference(x, tables).mean(dim=-2, keepdim=True)
+
+
+@rope_mean.register_fake
+def _(x, tables):
+    return x.new_empty((x.shape[0], x.shape[1], 1, x.shape[3]), dtype=torch.float32)
+
+
+@torch.library.custom_op("sage::rope_quantize", mutates_args=())
+def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
+                  out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [B,H,N,D] contiguous, fp32 [B,H,N] = δ·out_scale) of rope(x) − mean, spec step 3 per token."""
+    r = rope_reference(x, tables)
+    if mean is not None:
+        r = r - mean
+    x8, delta = spec.quantize_symmetric(r, r.abs().amax(dim=-1), spec.QK_LEVELS["int8"])
+    return x8, delta * out_scale
+
+
+@rope_quantize.register_fake
+def _(x, tables, mean, out_scale):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _strides4(t: torch.Tensor, shape) -> List[int]:
+    """Strides of t broadcast to the 4-D ``shape`` (0 on broadcast dims; a view, no copy)."""
+    return list(torch.broadcast_to(t, shape).stride())
+
+
+def _table_args(tables, half_shape) -> list:
+    args = []
+    for t in tables:
+        args.append(t)
+        args.extend(_strides4(t, half_shape))
+    return args
+
+
+@rope_mean.register_kernel("cuda")
+def _(x, tables):
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    if n == 0:  # the mean of no tokens, as torch.mean has it
+        return torch.full((batch, heads, 1, d), float("nan"), device=x.device)
+    partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)))
+    return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
+
+
+@rope_quantize.register_kernel("cuda")
+def _(x, tables, mean, out_scale):
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
+    scales = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+    if x8.numel():
+        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, out_scale, x8,
+                                         scales)
+    return x8, scales

@@ -1,0 +1,99 @@
+"""The fused rope prep's Triton kernels (sage_compile/kernels/prep_triton.py) against the CPU reference ops,
+and the absorbed rotary through the whole compiled pipeline on the GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sage_compile
+from sage_compile import SageConfig, prep
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+ALWAYS = SageConfig(min_seq_len=0)
+
+
+def _layout_x(batch, heads, n, d, g, layout):
+    """x [B,H,N,D] (fresh random, never zeros): contiguous, or a transposed view of [B,N,H,D]."""
+    if layout == "bnhd":
+        return (torch.randn(batch, n, heads, d, generator=g, device=DEV) * 3).bfloat16().transpose(1, 2)
+    return (torch.randn(batch, heads, n, d, generator=g, device=DEV) * 3).bfloat16()
+
+
+def _tables(batch, heads, n, d, g, kind):
+    """Four tables broadcastable to x₁ [B,H,N,D/2], as views with broadcast (0) strides."""
+    h = d // 2
+    if kind == "half":  # [N, 1, D/2] tables of a [B,N,H,D] rotary, seen in attention layout
+        cos, sin = (torch.rand(n, 1, h, generator=g, device=DEV) * 2 - 1 for _ in range(2))
+        views = [t.expand(batch, n, heads, h).transpose(1, 2) for t in (cos, sin)]
+        return [views[0], views[1], views[0], views[1]]
+    full = [torch.rand(batch, 1, n, d, generator=g, device=DEV).bfloat16() * 2 - 1 for _ in range(2)]
+    return [full[0][..., :h], full[1][..., :h], full[0][..., h:], full[1][..., h:]]
+
+
+def _cpu(tables):
+    return [t.cpu() for t in tables]
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
+       d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), kind=st.sampled_from(["half", "full"]),
+       with_mean=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = _layout_x(batch, heads, n, d, g, layout)
+    tables = _tables(batch, heads, n, d, g, kind)
+    mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
+    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125)
+    ref8, ref_scale = torch.ops.sage.rope_quantize(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125)
+    assert x8.is_contiguous() and x8.dtype == torch.int8
+    assert torch.equal(x8.cpu(), ref8), (x8.cpu().int() - ref8.int()).abs().max()
+    assert torch.equal(scale.cpu(), ref_scale)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 65, 1000, 5000]),
+       d=st.sampled_from([64, 128]), kind=st.sampled_from(["half", "full"]), seed=st.integers(0, 2**16))
+def test_rope_mean_matches_reference(batch, heads, n, d, kind, seed):
+    """Same sum in another order: fp32 rounding apart (relative to the sum of magnitudes)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = _layout_x(batch, heads, n, d, g, "bnhd")
+    tables = _tables(batch, heads, n, d, g, kind)
+    mean = torch.ops.sage.rope_mean(x, tables)
+    r = prep.rope_reference(x.cpu().double(), [t.cpu().double() for t in tables])
+    bound = 1e-4 * r.abs().mean(dim=-2, keepdim=True) + 1e-30
+    assert mean.shape == (batch, heads, 1, d) and ((mean.cpu().double() - r.mean(dim=-2, keepdim=True)).abs() <= bound).all()
+
+
+def _block(xq, xk, v, cos, sin, causal=False):
+    def rope(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    q, k = rope(xq).transpose(1, 2), rope(xk).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_rotary_runs_in_the_fused_prep(causal):
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator(device=DEV).manual_seed(7)
+    n, heads, d = 2048, 8, 128
+    xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() for _ in range(3))
+    angles = torch.rand(n, 1, d // 2, generator=g, device=DEV) * 6.3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    compiled = sage_compile.compile(_block, config=ALWAYS, options={"force_disable_caches": True})
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, xq, xk, v, cos, sin, causal)
+        generic = sage_compile.compile(_block, config=ALWAYS.replace(fuse_rope=False))(xq, xk, v, cos, sin, causal)
+    code = "\n".join(codes)
+    assert counters["sage"]["rope_absorbed"] == 1
+    assert code.count("torch.ops.sage.rope_quantize.default(") == 2 and "torch.ops.sage.rope_mean.default(" in code
+    assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
+    ref = _block(*(t.float() for t in (xq, xk, v, cos, sin)), causal)
+    cos_fused = F.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+    cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
+    print(f"causal={causal}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
+    assert cos_fused > 0.999 and abs(cos_fused - cos_generic) < 1e-4
