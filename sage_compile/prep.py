@@ -3,13 +3,14 @@
 Inductor fuses ``spec.prepare`` into the rotary that produced q and k, but not near the memory floor: its
 Q kernel (rotary + per-token amax + int8 cast) ran at 3.4× its floor on the H200 and its K prep read k
 three times (docs/notes.md). When the stage-1 pass ``passes/absorb_rope.py`` finds q and k made by a
-half-split rotary, the site becomes ``sage.rope_attention``, whose prep is two opaque ops with Triton
+half-split rotary, the site becomes ``sage.rope_attention``, whose prep is two steps with Triton
 kernels on CUDA:
 
 * ``sage::rope_mean(x, tables)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing); one
   read of x, split over token ranges, partial sums added in a fixed order (deterministic).
 * ``sage::rope_quantize(x, tables, mean, out_scale)`` — rope(x) − μ, per-token amax, int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
+On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
 
 Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] and four tables c₁, s₁, c₂, s₂
 broadcastable to x₁ (for the usual half tables c₁ = c₂ = cos, s₁ = s₂ = sin; for HF's full-width
@@ -46,9 +47,9 @@ def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Ten
 def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization) -> spec.Prepared:
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
-    k_mean = torch.ops.sage.rope_mean(xk, list(k_tables)) if quant.smooth_k else None
-    q8, q_scale = torch.ops.sage.rope_quantize(xq, list(q_tables), None, scale * spec.LOG2E)
-    k8, k_scale = torch.ops.sage.rope_quantize(xk, list(k_tables), k_mean, 1.0)
+    k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
+    q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
+    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0)
     v_t, v_scale, v_mean = spec.prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
                          delta_s=None, q_group=quant.q_block, lse_shift=None)
@@ -68,23 +69,18 @@ def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]
 
 
 # --------------------------------------------------------------------------------------------------
-# The two ops: the reference (CPU, and any device without Triton) and the Triton kernels (CUDA).
+# The two steps: the reference (CPU, the spec of this path) and, on CUDA, Triton kernels behind
+# torch.library.triton_op — Inductor then launches them from its generated code like its own kernels
+# (a plain custom op cost ~150 µs of host time per call: it made the prep host-bound).
 # --------------------------------------------------------------------------------------------------
-@torch.library.custom_op("sage::rope_mean", mutates_args=())
-def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
+def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
     """mean over tokens of rope(x): fp32 [B,H,1,D]."""
     return rope_reference(x, tables).mean(dim=-2, keepdim=True)
 
 
-@rope_mean.register_fake
-def _(x, tables):
-    return x.new_empty((x.shape[0], x.shape[1], 1, x.shape[3]), dtype=torch.float32)
-
-
-@torch.library.custom_op("sage::rope_quantize", mutates_args=())
-def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
-                  out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [B,H,N,D] contiguous, fp32 [B,H,N] = δ·out_scale) of rope(x) − mean, spec step 3 per token."""
+def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
+                            out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of rope(x) − mean: spec step 3, per token."""
     r = rope_reference(x, tables)
     if mean is not None:
         r = r - mean
@@ -92,43 +88,43 @@ def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[to
     return x8, delta * out_scale
 
 
-@rope_quantize.register_fake
-def _(x, tables, mean, out_scale):
-    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.sage.rope_mean(x, list(tables)) if x.is_cuda else rope_mean_reference(x, tables)
 
 
-def _strides4(t: torch.Tensor, shape) -> List[int]:
-    """Strides of t broadcast to the 4-D ``shape`` (0 on broadcast dims; a view, no copy)."""
-    return list(torch.broadcast_to(t, shape).stride())
+def rope_quantize_op(x, tables, mean, out_scale):
+    if x.is_cuda:
+        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale)
+    return rope_quantize_reference(x, tables, mean, out_scale)
 
 
 def _table_args(tables, half_shape) -> list:
+    """Each table and its strides broadcast to x₁'s shape (0 on broadcast dims: a view, no copy)."""
     args = []
     for t in tables:
         args.append(t)
-        args.extend(_strides4(t, half_shape))
+        args.extend(torch.broadcast_to(t, half_shape).stride())
     return args
 
 
-@rope_mean.register_kernel("cuda")
-def _(x, tables):
+@torch.library.triton_op("sage::rope_mean", mutates_args=())
+def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
+    """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
     from .kernels import prep_triton
 
     batch, heads, n, d = x.shape
-    if n == 0:  # the mean of no tokens, as torch.mean has it
-        return torch.full((batch, heads, 1, d), float("nan"), device=x.device)
     partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)))
     return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
 
 
-@rope_quantize.register_kernel("cuda")
-def _(x, tables, mean, out_scale):
+@torch.library.triton_op("sage::rope_quantize", mutates_args=())
+def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
+                  out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
     from .kernels import prep_triton
 
     batch, heads, n, d = x.shape
     x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
     scales = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-    if x8.numel():
-        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, out_scale, x8,
-                                         scales)
+    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, out_scale, x8, scales)
     return x8, scales

@@ -2,19 +2,22 @@
 (x₁, x₂), then either per-channel partial sums (for μK) or per-token int8 quantization.
 
 Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
-order with fp contraction off (no FMA), IEEE division (div_rn) for δ and x/δ, rint (round half to even).
+order, products as mul.rn (never contracted into an FMA), IEEE division (div_rn) for δ and x/δ, rint (round
+half to even). Launched through torch.library.wrap_triton (Inductor then launches them from its generated
+code). Programs are ordered heads-fastest, so the programs in flight together read whole token rows of a
+[B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from torch.library import wrap_triton
+
 BLOCK_N = 64  # tokens per tile
-TINY = torch.finfo(torch.float32).tiny
+TILES_PER_SPLIT = 4  # tiles summed by one program of the mean (a constant: no guard on N)
 
 
 @triton.jit
@@ -32,7 +35,9 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
     s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    r1 = libdevice.mul_rn(x1, c1) - libdevice.mul_rn(x2, s1)
+    r2 = libdevice.mul_rn(x2, c2) + libdevice.mul_rn(x1, s2)
+    return r1, r2
 
 
 @triton.jit
@@ -42,8 +47,8 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      out_ptr, H, N, TILES_PER_SPLIT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x) (tiles in order: deterministic)."""
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
     b = bh // H
     h = bh % H
     cols = tl.arange(0, HALF)
@@ -56,7 +61,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF)
         acc1 += tl.sum(r1, axis=0)
         acc2 += tl.sum(r2, axis=0)
-    base = out_ptr + (bh * tl.num_programs(0) + split) * (2 * HALF)
+    base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
     tl.store(base + cols, acc1)
     tl.store(base + HALF + cols, acc2)
 
@@ -68,10 +73,10 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           mean_ptr, out_ptr, scale_ptr, out_scale, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr):
     """int8 rope(x) − μ per token (δ = max(amax, tiny)/127, x̂ = rint(x/δ) clamped) and δ·out_scale."""
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HALF)
     row_ok = rows < N
     mask = row_ok[:, None]
@@ -96,28 +101,19 @@ def _x_args(x: torch.Tensor) -> list:
     return [x, *x.stride()]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def rope_partial_sums(x: torch.Tensor, table_args: list) -> torch.Tensor:
-    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens (splits chosen to fill the GPU)."""
+    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's TILES_PER_SPLIT·BLOCK_N tokens."""
     batch, heads, n, d = x.shape
-    tiles = triton.cdiv(n, BLOCK_N)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    splits = max(1, min(tiles, triton.cdiv(4 * _sm_count(index), batch * heads)))
-    tiles_per_split = triton.cdiv(tiles, splits)
-    splits = triton.cdiv(tiles, tiles_per_split)
+    splits = triton.cdiv(n, TILES_PER_SPLIT * BLOCK_N)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
-    _rope_sum_kernel[(splits, batch * heads)](*_x_args(x), *table_args, partial, heads, n, tiles_per_split,
-                                              HALF=d // 2, BLOCK=BLOCK_N, num_warps=4, enable_fp_fusion=False)
+    wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
+        *_x_args(x), *table_args, partial, heads, n, TILES_PER_SPLIT, HALF=d // 2, BLOCK=BLOCK_N, num_warps=4)
     return partial
 
 
 def launch_rope_quantize(x, table_args, mean, out_scale, x8, scales) -> None:
     batch, heads, n, d = x.shape
-    mean_arg = mean.contiguous() if mean is not None else scales
-    _rope_quantize_kernel[(triton.cdiv(n, BLOCK_N), batch * heads)](
-        *_x_args(x), *table_args, mean_arg, x8, scales, float(out_scale), heads, n,
-        HALF=d // 2, BLOCK=BLOCK_N, HAS_MEAN=mean is not None, num_warps=4, enable_fp_fusion=False)
+    mean_arg = mean.contiguous() if mean is not None else scales  # [B,H,1,D]
+    wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, BLOCK_N))](
+        *_x_args(x), *table_args, mean_arg, x8, scales, out_scale, heads, n,
+        HALF=d // 2, BLOCK=BLOCK_N, HAS_MEAN=mean is not None, num_warps=4)
