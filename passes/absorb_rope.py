@@ -260,8 +260,12 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
             for rope in (rq, rk):
                 d = _val(rope.x).shape[-1]
                 x = _apply_views(gm.graph, rope.x, rope.views)
-                tables = [_apply_views(gm.graph, _table_node(gm.graph, t, rope.first, d), rope.views)
-                          for t in rope.tables]
+                made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
+                for t in rope.tables:
+                    key = t if isinstance(t, tuple) else (t, None)
+                    if key not in made:
+                        made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, rope.first, d), rope.views)
+                tables = [made[t if isinstance(t, tuple) else (t, None)] for t in rope.tables]
                 inputs.append((x, tables))
             (xq, q_tables), (xk, k_tables) = inputs
             new = gm.graph.call_function(torch.ops.sage.rope_attention.default,

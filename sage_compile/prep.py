@@ -125,6 +125,6 @@ def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[to
 
     batch, heads, n, d = x.shape
     x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
-    scales = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, out_scale, x8, scales)
-    return x8, scales
+    deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, x8, deltas)
+    return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)

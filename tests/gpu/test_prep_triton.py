@@ -90,7 +90,8 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal):
         generic = sage_compile.compile(_block, config=ALWAYS.replace(fuse_rope=False))(xq, xk, v, cos, sin, causal)
     code = "\n".join(codes)
     assert counters["sage"]["rope_absorbed"] == 1
-    assert code.count("_rope_quantize_kernel.run(") == 2 and code.count("_rope_sum_kernel.run(") == 1, code
+    assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1  # Inductor launches our kernels
+    assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
     ref = _block(*(t.float() for t in (xq, xk, v, cos, sin)), causal)
     cos_fused = F.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
