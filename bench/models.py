@@ -108,12 +108,14 @@ def main(argv=None) -> int:
             eager = model(x).float()
             inductor = torch.compile(model)
             inductor(x)
+            torch._dynamo.utils.counters.clear()
             with collect_reports() as reports:
                 sage = sage_compile.compile(model)
                 out = sage(x)
+            absorbed = torch._dynamo.utils.counters["sage"]["rope_absorbed"]  # sites whose rotary is in the prep
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
-                       sites=sum(len(r.sites) for r in reports),
+                       sites=sum(len(r.sites) for r in reports), rope_absorbed=absorbed,
                        inductor_ms=_bench_ms(functools.partial(inductor, x)), sage_ms=_bench_ms(functools.partial(sage, x)),
                        cos_sage=F.cosine_similarity(out.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_inductor=F.cosine_similarity(inductor(x).float().flatten(), eager.flatten(), dim=0).item(),
