@@ -48,7 +48,8 @@ def main(argv=None) -> int:
             prep(*inputs)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events) / 20 / 1e3
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not their launch records
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 20 / 1e3
     table = events.table(sort_by="self_cuda_time_total", row_limit=25)
     name = "prep_fused_kernels.txt" if opts.fused else "prep_kernels.txt"
     head = (f"{torch.cuda.get_device_name()} torch {torch.__version__} B={batch} N={opts.n} H={heads} D={opts.d} "
