@@ -25,6 +25,7 @@ the summation order of μ.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +64,8 @@ def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]
         return "fused rope prep does not do smooth_q"
     if kv_lens is not None:
         return "fused rope prep does not take kv_lens"
+    if xq.is_cuda and not HAS_TRITON:
+        return "fused rope prep needs Triton on CUDA"
     if xq.shape[-1] not in HEAD_DIMS or xq.dim() != 4 or xk.dim() != 4:
         return f"fused rope prep needs 4-D q/k with head dim in {HEAD_DIMS}"
     return None
@@ -107,24 +110,27 @@ def _table_args(tables, half_shape) -> list:
     return args
 
 
-@torch.library.triton_op("sage::rope_mean", mutates_args=())
-def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
-    """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
-    from .kernels import prep_triton
+# The Triton ops exist only where Triton does (CUDA builds of torch ship it; without it torch would log a
+# warning at registration, and there would be no CUDA device to use them on).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    @torch.library.triton_op("sage::rope_mean", mutates_args=())
+    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
+        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
+        from .kernels import prep_triton
 
-    batch, heads, n, d = x.shape
-    partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)))
-    return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
+        batch, heads, n, d = x.shape
+        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)))
+        return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
 
+    @torch.library.triton_op("sage::rope_quantize", mutates_args=())
+    def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
+                      out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
+        from .kernels import prep_triton
 
-@torch.library.triton_op("sage::rope_quantize", mutates_args=())
-def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
-                  out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
-    from .kernels import prep_triton
-
-    batch, heads, n, d = x.shape
-    x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
-    deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, x8, deltas)
-    return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)
+        batch, heads, n, d = x.shape
+        x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
+        deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, x8, deltas)
+        return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)
