@@ -85,8 +85,7 @@ def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None,
     quant = config.quantization()
     fused = None
     if prep.fast_path_reason(xq, xk, quant, kv_lens) is None:
-        def fused(scale_):
-            return prep.rope_prepare(xq, xk, v, q_tables, k_tables, scale_, quant)
+        fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=quant)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
 
 
