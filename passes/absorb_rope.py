@@ -6,7 +6,8 @@ Matched, as models write it (operands of * and + in either order; h = D/2):
 * half tables:       x₁, x₂ = x.chunk(2, -1) or x[..., :h], x[..., h:];
                      cat([x₁·cos − x₂·sin, x₂·cos + x₁·sin], -1)           (Llama reference, Flux-style)
 * rotate_half:       x·C + cat([−x₂, x₁], -1)·S, C and S full width      (Hugging Face transformers)
-then any transposes/permutes to the attention layout. Both q and k must match, with the rotary's output
+then any transposes/permutes to the attention layout (and a cat with empty tensors: a KV cache's first
+update, as transformers' DynamicCache does in prefill). Both q and k must match, with the rotary's output
 in x's dtype (a cast in between would be a rounding the fused prep skips); anything else keeps the
 generic path. The rotary nodes are removed when nothing else uses them (a KV cache that stores the
 rotated k keeps them: the prep then recomputes the rotary, which is cheaper than reading it back).
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport
@@ -175,15 +177,38 @@ def _match_rotate_half(r: Node) -> Optional[Tuple[Node, Node, list]]:
     return None
 
 
+def _only_nonempty_part(node) -> Optional[Node]:
+    """x for cat([empty, x]) (or [x, empty]) — a KV cache's first update in prefill; else None."""
+    if not _is_call(node, CAT) or not isinstance(node.args[0], (list, tuple)):
+        return None
+    full = []
+    for part in node.args[0]:
+        val = _val(part)
+        if val is None:
+            return None
+        if not statically_known_true(val.numel() == 0):
+            full.append(part)
+    out = _val(node)
+    if len(full) != 1 or not isinstance(full[0], Node) or out is None or _val(full[0]).shape != out.shape:
+        return None
+    return full[0] if _val(full[0]).dtype == out.dtype else None
+
+
 def _peel_views(node: Node) -> Tuple[Node, List[Tuple[str, tuple]]]:
-    """Walk back through transposes/permutes; returns (producer, view ops from producer to node)."""
+    """Walk back through transposes/permutes (and a cat with only empty other parts); returns (producer,
+    view ops from producer to node)."""
     views = []
-    while not node.kwargs and (_is_call(node, {torch.transpose, torch.permute}) or (
-            node.op == "call_method" and node.target in VIEW_METHODS)):
+    while True:
+        inner = _only_nonempty_part(node)
+        if inner is not None:
+            node = inner
+            continue
+        if node.kwargs or not (_is_call(node, {torch.transpose, torch.permute}) or (
+                node.op == "call_method" and node.target in VIEW_METHODS)):
+            return node, views[::-1]
         name = node.target if node.op == "call_method" else node.target.__name__
         views.append((name, tuple(node.args[1:])))
         node = node.args[0]
-    return node, views[::-1]
 
 
 def match_rope(arg: Node) -> Optional[Rope]:

@@ -114,6 +114,23 @@ def test_rotate_half_form_with_full_width_tables():
     assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
 
 
+def test_kv_cache_first_update_is_seen_through():
+    """transformers' DynamicCache in prefill: k = cat([empty past, rope(k)]) — the same k."""
+    def fn(q, k, v, cos, sin):
+        past = k.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])
+        return F.scaled_dot_product_attention(rope_hf(q, cos, sin), torch.cat([past, rope_hf(k, cos, sin)], dim=-2), v)
+
+    n, d = 64, 64
+    q, k, v = (torch.randn(1, 2, n, d).bfloat16() for _ in range(3))
+    cos, sin = (t[None, None] for t in tables(n, d, full_width=True))
+    out, _ = compile_stage1(fn, q, k, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1
+    h = d // 2
+    halves = [cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:]]
+    assert torch.equal(out, spec_output(prep.rope_reference(q, halves), prep.rope_reference(k, halves), v, 0,
+                                        torch.bfloat16))
+
+
 def test_only_q_rotated_keeps_the_generic_path():
     def fn(q, k, v, cos, sin):
         return F.scaled_dot_product_attention(rope_hf(q, cos, sin), k, v)
