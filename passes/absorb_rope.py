@@ -22,6 +22,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sage_compile.config import SageConfig
+from sage_compile.passes.graph_pass import finish_rewrite, replace_node
 from sage_compile.sites import SiteReport
 
 Node = torch.fx.Node
@@ -295,13 +296,7 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
             (xq, q_tables), (xk, k_tables) = inputs
             new = gm.graph.call_function(torch.ops.sage.rope_attention.default,
                                          (xq, xk, v, q_tables, k_tables), dict(node.kwargs))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        replace_node(gm.graph, node, new)
         torch._dynamo.utils.counters["sage"]["rope_absorbed"] += 1
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish_rewrite(gm, changed)

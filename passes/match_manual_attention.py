@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
+from sage_compile.passes.graph_pass import finish_rewrite
 from sage_compile.sites import SiteReport, judge_site, site_name
 from sage_compile.support import AttentionCall
 
@@ -321,11 +322,7 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
             continue
         _replace(gm.graph, match, config)
         changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish_rewrite(gm, changed)
 
 
 def _as_4d(x, match: Match):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
+from sage_compile.passes.graph_pass import finish_rewrite, replace_node
 from sage_compile.sites import SiteReport, judge_site, site_name
 from sage_compile.support import AttentionCall, causal_mode
 
@@ -54,10 +55,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
             continue
         _replace(gm.graph, node, args, config)
         changed = True
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish_rewrite(gm, changed, dead_code=False)
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig) -> None:
@@ -66,6 +64,4 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: Sag
     with graph.inserting_before(node):
         new = graph.call_function(torch.ops.sage.attention.default,
                                   (args["query"], args["key"], args["value"]), kwargs)
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
+    replace_node(graph, node, new)

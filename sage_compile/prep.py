@@ -32,7 +32,6 @@ import torch
 
 from . import spec
 
-TINY = torch.finfo(torch.float32).tiny
 HEAD_DIMS = (64, 128)  # the Triton kernels' head dims (D = padded D: no padding pass needed)
 
 
@@ -77,8 +76,8 @@ def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]
 # (a plain custom op cost ~150 µs of host time per call: it made the prep host-bound).
 # --------------------------------------------------------------------------------------------------
 def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
-    """mean over tokens of rope(x): fp32 [B,H,1,D]."""
-    return rope_reference(x, tables).mean(dim=-2, keepdim=True)
+    """mean over tokens of rope(x): fp32 [B,H,1,D] (spec step 1)."""
+    return spec.token_mean(rope_reference(x, tables), None)
 
 
 def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
@@ -101,6 +100,11 @@ def rope_quantize_op(x, tables, mean, out_scale):
     return rope_quantize_reference(x, tables, mean, out_scale)
 
 
+def _same_halves(tables) -> bool:
+    """c₂ is c₁ and s₂ is s₁ (the half-table form): the kernels then read each table once."""
+    return tables[0] is tables[2] and tables[1] is tables[3]
+
+
 def _table_args(tables, half_shape) -> list:
     """Each table and its strides broadcast to x₁'s shape (0 on broadcast dims: a view, no copy)."""
     args = []
@@ -120,7 +124,8 @@ if HAS_TRITON:
         from .kernels import prep_triton
 
         batch, heads, n, d = x.shape
-        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)))
+        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
+                                                _same_halves(tables))
         return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
@@ -132,5 +137,6 @@ if HAS_TRITON:
         batch, heads, n, d = x.shape
         x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
         deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), mean, x8, deltas)
+        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
+                                         mean, x8, deltas)
         return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)

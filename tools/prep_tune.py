@@ -27,10 +27,10 @@ floor_q = (x.numel() * 3 + scales.numel() * 4) / bandwidth * 1e3
 floor_s = x.numel() * 2 / bandwidth * 1e3
 print(f"{torch.cuda.get_device_name()} B={batch} H={heads} N={n} D={d}; floors: quantize {floor_q:.4f} ms, sum {floor_s:.4f} ms")
 for block, warps in itertools.product((32, 64, 128), (2, 4, 8)):
-    ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, mean, x8, scales, block, warps),
+    ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales, block, warps),
                                            rep=100, return_mode="median")
     print(f"quantize block {block:4d} warps {warps}: {ms:.4f} ms ({ms / floor_q:.2f}x floor)")
 for block, tiles, warps in itertools.product((64, 128), (2, 4, 8), (4, 8)):
-    ms = triton.testing.do_bench_cudagraph(lambda: pt.rope_partial_sums(x, args, block, tiles, warps),
+    ms = triton.testing.do_bench_cudagraph(lambda: pt.rope_partial_sums(x, args, True, block, tiles, warps),
                                            rep=100, return_mode="median")
     print(f"sum block {block:4d} tiles {tiles} warps {warps}: {ms:.4f} ms ({ms / floor_s:.2f}x floor)")

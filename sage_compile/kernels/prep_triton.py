@@ -111,27 +111,23 @@ def _x_args(x: torch.Tensor) -> list:
     return [x, *x.stride()]
 
 
-def _same_halves(table_args: list) -> bool:
-    """c₂ is c₁ and s₂ is s₁ (same tensor, same strides): table_args = 4 × (tensor, 4 strides)."""
-    return table_args[0] is table_args[10] and table_args[5] is table_args[15]
-
-
-def rope_partial_sums(x: torch.Tensor, table_args: list, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,
-                      warps: int = SUM_WARPS) -> torch.Tensor:
+def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: int = SUM_BLOCK_N,
+                      tiles: int = TILES_PER_SPLIT, warps: int = SUM_WARPS) -> torch.Tensor:
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens."""
     batch, heads, n, d = x.shape
     splits = triton.cdiv(n, tiles * block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
         *_x_args(x), *table_args, partial, heads, n, tiles, HALF=d // 2, BLOCK=block,
-        SAME_HALVES=_same_halves(table_args), num_warps=warps)
+        SAME_HALVES=same_halves, num_warps=warps)
     return partial
 
 
-def launch_rope_quantize(x, table_args, mean, x8, deltas, block: int = BLOCK_N, warps: int = QUANTIZE_WARPS) -> None:
+def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, block: int = BLOCK_N,
+                         warps: int = QUANTIZE_WARPS) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ per token."""
     batch, heads, n, d = x.shape
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, block))](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
-        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=_same_halves(table_args), num_warps=warps)
+        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves, num_warps=warps)
