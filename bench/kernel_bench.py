@@ -195,14 +195,14 @@ def main(argv=None):
                            triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
                 if sm90 is not None and sm90.supports(kargs[0]) is None:
-                    for v, key in enumerate(SM90_COLUMNS):  # the launch shapes
+                    for v, key in enumerate(sm90_columns(sm90)):  # the launch shapes
                         t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse, v=v: sm90.run(a, o, s, v)
                                                       for a in kargs]))
                         row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
                 if not opts.no_sdpa:
                     _time_sdpa(row, sets, causal, ops)
                 rows.append(row)
-                print(_fmt_row(row), flush=True)
+                print(_fmt_row(row, sm90_columns(sm90) if sm90 else ()), flush=True)
             del sets, prepared, out, lse
             torch.cuda.empty_cache()
 
@@ -227,25 +227,29 @@ def main(argv=None):
         for k, v in sorted(best.items()):
             print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
     print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'sm90':>7} {'sm90_1wg':>7} {'sm90_3cta':>7} {'triton':>7} "
-          f"{'cudnn':>7} {'flash':>7} {'e2e':>6} "
-          f"{'prep ms':>8}  config")
+    columns = sm90_columns(sm90) if sm90 else ()
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c[5:] or 'sm90':>8}" for c in columns)
+          + f" {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} {'prep ms':>8}  config")
     for r in rows:
-        print(_fmt_row(r))
+        print(_fmt_row(r, columns))
     return result
 
 
-SM90_COLUMNS = ("sm90", "sm90_1wg", "sm90_3cta")  # launch variant i of the sm90 kernel → its column
+def sm90_columns(sm90):
+    """Launch variant i of the sm90 kernel → its column ('sm90' for variant 0, 'sm90_<name>' after)."""
+    short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta"}
+    names = [short.get(v, v.replace("one_warpgroup", "1wg").replace("_3ctas", "_3cta")) for v in sm90.VARIANTS]
+    return tuple("sm90" + (f"_{n}" if n else "") for n in names)
 
 
 def _table_config_text(tk, d, causal, long_n):
     return tk._TABLE[(d, causal != 0, long_n)].text()
 
 
-def _fmt_row(r):
+def _fmt_row(r, sm90_cols=()):
     f = lambda key: f"{r[key]:7.0f}" if key in r else f"{'-':>7}"  # noqa: E731
-    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {f('sm90_tops')} {f('sm90_1wg_tops')} {f('sm90_3cta_tops')} "
-            f"{f('triton_tops')} {f('cudnn_tops')} "
+    return (f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} " + "".join(f" {f(c + '_tops')}" for c in sm90_cols)
+            + f" {f('triton_tops')} {f('cudnn_tops')} "
             f"{f('flash_tops')} {r['end_to_end_tops']:6.0f} {r['prepare_ms']:8.3f}  {r['config']}")
 
 

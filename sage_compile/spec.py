@@ -91,10 +91,20 @@ def group_amax(x: torch.Tensor, granularity: str, block: int) -> torch.Tensor:
 
 
 def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
-    """x̂ = clamp(round_half_even(x/δ), ±levels), δ = amax/levels; returns (int8 x̂, fp32 δ)."""
-    delta = amax.clamp_min(torch.finfo(torch.float32).tiny) / levels
+    """x̂ = clamp(round_half_even(x/δ), ±levels), δ = fma_friendly(amax/levels); returns (int8 x̂, fp32 δ)."""
+    delta = fma_friendly(amax.clamp_min(torch.finfo(torch.float32).tiny) / levels)
     xq = torch.round(x / delta.unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
     return xq, delta
+
+
+def fma_friendly(delta: torch.Tensor) -> torch.Tensor:
+    """δ > 0 rounded up to at most 22 significant bits (relative change < 2⁻²¹; |x/δ| ≤ levels still holds).
+
+    Then M·δ is exact in fp32 for M = 1.5·2²³, so a kernel turns an int32 dot x into x·δ with one integer
+    add and one FMA — bits(x + 0x4B400000) = M + x, and (M + x)·δ − M·δ is x·δ rounded once — instead of
+    converting x first (the sm90 kernel does; the result is the spec's ``x.float() * δ``)."""
+    bits = delta.view(torch.int32)
+    return ((bits + 3) & -4).view(torch.float32)
 
 
 def quantize_e4m3(x: torch.Tensor) -> torch.Tensor:

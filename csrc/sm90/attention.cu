@@ -26,7 +26,7 @@
 // permutation costs nothing: cp.async places each 16-byte row chunk wherever we ask.
 //
 // Scores: the int32 dot becomes fp32 without I2F (x + 0x4B400000 reinterpreted is 1.5·2^23 + x exactly,
-// |x| < 2^22), then u = x·δK[col], S = u·δQ[row] (base-2 units), m' = max(m, max_j S),
+// |x| < 2^22) and is scaled in the same FMA, u = x·δK[col] (exact fold, see softmax_scores), S = u·δQ[row] (base-2 units), m' = max(m, max_j S),
 // P448 = exp2(S − (m' − log2 448)) = 448·P̃, P̂ = e4m3(P448) (round to nearest even, saturating),
 // l = l·α + ΣP448, O32 = O32·α + (P̂·V̂ in a fresh accumulator), out = O32/l·δV (+ μV).
 #include <cuda_bf16.h>
@@ -42,6 +42,11 @@
 namespace sage_sm90 {
 
 constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups × 64)
+#ifdef SAGE_SASS_HOT_PATH
+constexpr bool kHotPathOnly = true;  // only the unmasked, in-range path (tools/sass_loop.py counts it)
+#else
+constexpr bool kHotPathOnly = false;
+#endif
 constexpr int kBlockN = 128;  // keys per pipeline stage (the oracle's block_n)
 constexpr float kLog2_448 = 8.807354922057604f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -229,10 +234,16 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
                                                float (&alpha)[2], float (&sc)[64]) {
   // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
   // 16(i/2) + 4t + 2(i%2) + e; one float4 of δK serves the 4 keys 16G + 4t..4t+3.
+  // The bits x + 0x4B400000 are the fp32 M + x (M = 1.5·2^23, |x| < 2^22), and u = (M + x)·δK − M·δK in
+  // one FMA: exact when M·δK is, which spec.prepare guarantees by giving δK at most 22 significant bits
+  // (spec.fma_friendly) — then this is the single rounding of x·δK, as if x were converted first.
 #pragma unroll
   for (int grp = 0; grp < 8; ++grp) {
     const float4 ks4 = *reinterpret_cast<const float4*>(ks_s + 16 * grp + 4 * t);
     const float ksv[4] = {ks4.x, ks4.y, ks4.z, ks4.w};
+    float kbias[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) kbias[c] = -12582912.f * ksv[c];
 #pragma unroll
     for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -240,8 +251,8 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * (2 * grp + a) + 2 * hr + e;
-          const float x = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000) - 12582912.f;
-          sc[idx] = x * ksv[2 * a + e];
+          const float mx = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000);
+          sc[idx] = fmaf(mx, ksv[2 * a + e], kbias[2 * a + e]);
         }
   }
 #pragma unroll
@@ -415,7 +426,11 @@ __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t
                                                  int k0, int wg_row0, int n_valid, const int (&row)[2],
                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], uint32_t (&pa)[4][4]) {
+#ifdef SAGE_SASS_HOT_PATH  // tools/sass_loop.py: compile only the unmasked, in-range path to count its instructions
+  constexpr bool masked = false;
+#else
   const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+#endif
   float sc[64];
   if (masked) {
     softmax_scores<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
@@ -560,7 +575,7 @@ struct BlockCopier {
   __device__ __forceinline__ void issue_k(const Params& p, int k0, uint32_t dK, uint32_t dKS, const int8_t* k_g,
                                           const float* ks_g, int k_row) const {
     const int8_t* k_blk = k_g + k0 * p.k_sn;
-    if (k0 + kBlockN <= p.nk) {  // whole block in range
+    if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range
 #pragma unroll
       for (int i = 0; i < kKSteps; ++i)
         cp_async_16(dK + k_soff + i * kKRowsPerStep * D, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
@@ -581,7 +596,7 @@ struct BlockCopier {
   // Vᵀ rows [D][128 keys] of the block at key k0.
   __device__ __forceinline__ void issue_v(const Params& p, int k0, uint32_t dV, const uint8_t* v_g, int v_row) const {
     const uint8_t* v_blk = v_g + k0;
-    if (k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
+    if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
 #pragma unroll
       for (int i = 0; i < kVSteps; ++i) cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + i * 16 * v_row, true);
     } else {

@@ -81,7 +81,7 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr):
-    """int8 rope(x) − μ per token (δ = max(amax, tiny)/127, x̂ = rint(x/δ) clamped) and δ."""
+    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -97,6 +97,7 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
     delta = tl.math.div_rn(tl.maximum(amax, 1.1754943508222875e-38), 127.0)
+    delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
     q1 = libdevice.rint(tl.math.div_rn(r1, delta[:, None]))
     q2 = libdevice.rint(tl.math.div_rn(r2, delta[:, None]))
     q1 = tl.minimum(tl.maximum(q1, -127.0), 127.0).to(tl.int8)
