@@ -1,4 +1,4 @@
-"""Writes csrc/sm90/wgmma.cuh: the three wgmma shapes the sm90 kernel issues, as inline PTX.
+"""Writes csrc/sm90/wgmma.cuh: the wgmma chains the sm90 kernel issues (all k-steps of one product), as inline PTX.
 
     python tools/gen_wgmma.py
 
@@ -19,40 +19,48 @@ def regs(start, count):
     return ", ".join(f"%{i}" for i in range(start, start + count))
 
 
-def qk_s8(n):
+def chain(kind, n, steps):
+    """`steps` k32 wgmmas into a fresh accumulator in ONE asm statement: the compiler can place nothing between
+    them (no register moves that would make ptxas serialize the pipeline), the first step ignores the accumulator (scale-d false)."""
     acc = n // 2
-    outs = ", ".join(f'"+r"(d[{i}])' for i in range(acc))
+    if kind == "s8":
+        dtype, ctype, outs = "s32.s8.s8", "uint32_t", ", ".join(f'"+r"(d[{i}])' for i in range(acc))
+        a_ops = [f"%{acc + k}" for k in range(steps)]  # A descriptors
+        ins = ", ".join(f'"l"(desc_a + {2 * k})' for k in range(steps))
+        b_base = acc + steps
+        a_sig, tail = "uint64_t desc_a", ""
+        name = f"wgmma_s8_m64n{n}k32_x{steps}"
+        comment = f"S (s32, m64n{n}) = Q (s8, smem) · Kᵀ (s8, smem), {steps} k32 steps."
+    else:
+        dtype, ctype, outs = "f32.e4m3.e4m3", "float", ", ".join(f'"+f"(d[{i}])' for i in range(acc))
+        a_ops = ["{" + ", ".join(f"%{acc + 4 * k + r}" for r in range(4)) + "}" for k in range(steps)]
+        ins = ", ".join(f'"r"(a[{k}][{r}])' for k in range(steps) for r in range(4))
+        b_base = acc + 4 * steps
+        a_sig, tail = f"const uint32_t (&a)[{steps}][4]", ", 1, 1"
+        name = f"wgmma_e4m3_rs_m64n{n}k32_x{steps}"
+        comment = f"T (f32, m64n{n}) = P (e4m3, registers) · V (e4m3, smem), {steps} k32 steps."
+    ins += ", " + ", ".join(f'"l"(desc_b + {2 * k})' for k in range(steps))
+    lines = []
+    for k in range(steps):
+        scale = "p0" if k == 0 else "p1"
+        lines.append(f'"wgmma.mma_async.sync.aligned.m64n{n}k32.{dtype} {{{regs(0, acc)}}}, {a_ops[k]}, %{b_base + k}, {scale}{tail};\\n"')
+    body = "\n      ".join(lines)
     return f"""
-// S (s32, m64n{n}) (+)= Q (s8, smem, K-major) · Kᵀ (s8, smem, K-major), k = 32.
-__device__ __forceinline__ void wgmma_s8_m64n{n}k32(uint32_t (&d)[{acc}], uint64_t desc_a, uint64_t desc_b,
-                                                    int accumulate) {{
+// {comment}
+__device__ __forceinline__ void {name}({ctype} (&d)[{acc}], {a_sig}, uint64_t desc_b) {{
   asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8 {{{regs(0, acc)}}}, %{acc}, %{acc + 1}, p;\\n}}\\n"
+      "{{\\n.reg .pred p0, p1;\\nsetp.ne.b32 p0, 0, 0;\\nsetp.eq.b32 p1, 0, 0;\\n"
+      {body}
+      "}}\\n"
       : {outs}
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}}
-"""
-
-
-def pv_e4m3_rs(n):
-    acc = n // 2
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
-    return f"""
-// O (f32, m64n{n}) (+)= P (e4m3, registers) · V (e4m3, smem, K-major), k = 32.
-__device__ __forceinline__ void wgmma_e4m3_rs_m64n{n}k32(float (&d)[{acc}], const uint32_t (&a)[4], uint64_t desc_b,
-                                                         int accumulate) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{regs(0, acc)}}}, {{{regs(acc, 4)}}}, %{acc + 4}, p, 1, 1;\\n}}\\n"
-      : {outs}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+      : {ins});
 }}
 """
 
 
 def main():
-    text = HEADER + qk_s8(128) + pv_e4m3_rs(128) + pv_e4m3_rs(64) + "\n}  // namespace sage_sm90\n"
+    chains = [chain("s8", 128, 4), chain("s8", 128, 2), chain("e4m3", 128, 4), chain("e4m3", 64, 4)]
+    text = HEADER + "".join(chains) + "\n}  // namespace sage_sm90\n"
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "sm90", "wgmma.cuh")
     with open(path, "w") as f:
         f.write(text)

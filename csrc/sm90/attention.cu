@@ -403,20 +403,22 @@ __device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile
 }
 
 // S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps), issued, not waited for.
+// Each product's k32 steps are one asm statement (wgmma.cuh's _x chains), so no compiler-made register move
+// can sit between them — one such move makes ptxas serialize every wgmma of the kernel (C7513).
 template <int D>
 __device__ __forceinline__ void issue_qk(uint32_t (&acc)[64], uint64_t desc_q, uint64_t desc_k) {
-#pragma unroll
-  for (int kk = 0; kk < D / 32; ++kk) wgmma_s8_m64n128k32(acc, desc_q + 2 * kk, desc_k + 2 * kk, kk);
+  if constexpr (D == 128) {
+    wgmma_s8_m64n128k32_x4(acc, desc_q, desc_k);
+  } else {
+    wgmma_s8_m64n128k32_x2(acc, desc_q, desc_k);
+  }
 }
 template <int D>
 __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa)[4][4], uint64_t desc_v) {
-#pragma unroll
-  for (int kc = 0; kc < 4; ++kc) {
-    if constexpr (D == 128) {
-      wgmma_e4m3_rs_m64n128k32(pv, pa[kc], desc_v + 2 * kc, kc);
-    } else {
-      wgmma_e4m3_rs_m64n64k32(pv, pa[kc], desc_v + 2 * kc, kc);
-    }
+  if constexpr (D == 128) {
+    wgmma_e4m3_rs_m64n128k32_x4(pv, pa, desc_v);
+  } else {
+    wgmma_e4m3_rs_m64n64k32_x4(pv, pa, desc_v);
   }
 }
 
