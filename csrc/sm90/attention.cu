@@ -4,10 +4,11 @@
 // (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
 // 448 folded into the exponent.
 //
-// Launch shapes of that one function (the `variant` of launch(); the Python side picks 1 at D=128, 2 at D=64):
+// Launch shapes of that one function (the `variant` of launch(); the Python side picks 2 at both head dims):
 // * v1, v2 (attention_kernel_1wg): one warpgroup per CTA, 64 query rows, two (v1) or three (v2) CTAs per
-//   SM — every thread issues its share of a cp.async multistage pipeline; the resident CTAs overlap each
-//   other's softmax and wgmmas. The Triton kernel's shape.
+//   SM — one thread issues each block's tensor-map copies (TMA) into a multistage ring on per-stage
+//   mbarriers (cp.async by every thread where the strides do not allow a map); the resident CTAs overlap
+//   each other's softmax and wgmmas. The Triton kernel's shape.
 // * v0 (attention_kernel): 128 query rows per CTA, 384 threads — a producer warpgroup (setmaxnreg 56)
 //   copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64)
 //   with cp.async, completing on per-stage mbarriers (cp.async.mbarrier.arrive.noinc; a second mbarrier
@@ -20,10 +21,12 @@
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
 // QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants
-// columns {4t..4t+3, 16+4t..16+4t+3}. K rows are therefore written to shared memory in a permuted order
-// within each group of 16 keys (key 4t + 2a + b goes to row 2t + b + 8a), so S column c holds key
-// kperm(c) and the registers of P are already in the A layout; V stays in natural key order. The
-// permutation costs nothing: cp.async places each 16-byte row chunk wherever we ask.
+// keys {4t..4t+3, 16+4t..16+4t+3}. K rows are therefore written to shared memory in a permuted order:
+// key 16G + 4t + 2a + b of a block goes to row 64a + 8G + 2t + b, so accumulator columns i and i + 8
+// (i < 8) hold keys 16i + 4t + {0,1} and {2,3}, and the registers of P are already in the A layout; V
+// stays in natural key order. The permutation costs nothing: cp.async places each 16-byte row chunk where
+// we ask, and a tensor-map copy (TMA) writes each half a of a block as one 5-D box (key = 4·quad + r,
+// r ∈ {2a, 2a+1}: rows 2·quad + r − 2a of the half).
 //
 // Scores: the int32 dot becomes fp32 without I2F (x + 0x4B400000 reinterpreted is 1.5·2^23 + x exactly,
 // |x| < 2^22) and is scaled in the same FMA, u = x·δK[col] (exact fold, see softmax_scores), S = u·δQ[row] (base-2 units), m' = max(m, max_j S),
@@ -32,9 +35,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "params.h"
 #include "wgmma.cuh"
@@ -120,6 +126,32 @@ __device__ __forceinline__ void mbarrier_wait_sleeping(uint32_t bar, int parity)
       : "memory");
 }
 
+// Tensor-map copies (TMA): one thread issues, the bytes complete on an mbarrier that expects them.
+__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // Shared memory written through the generic proxy (cp.async), read next by wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -175,12 +207,12 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return row * RowBytes + ((chunk ^ x) << 4);
 }
 
-// Shared-memory row of key n of a block: within each 16-key group key 4t + 2a + b goes to row
-// 2t + b + 8a (so that S column c = 8i + 2t + b of the accumulator holds key 16(i/2) + 4t + 2(i%2) + b).
+// Shared-memory row of key n (0..127) of a block: key 16G + 4t + 2a + b goes to row 64a + 8G + 2t + b, so
+// S column c = 8i + 2t + e of the accumulator holds key key_of_column(i, t, e).
 __device__ __forceinline__ int k_row_of_key(int n) {
-  const int r = n & 15;
-  return (n & ~15) | ((r >> 2) << 1) | (r & 1) | (((r >> 1) & 1) << 3);
+  return 64 * ((n >> 1) & 1) + 8 * (n >> 4) + 2 * ((n >> 2) & 3) + (n & 1);
 }
+__device__ __forceinline__ int key_of_column(int i, int t, int e) { return 16 * (i & 7) + 4 * t + 2 * (i >> 3) + e; }
 
 // ---------------------------------------------------------------------------------------------------
 // Kernel
@@ -233,7 +265,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
                                                int causal, int causal_offset, float (&m)[2], float (&l)[2],
                                                float (&alpha)[2], float (&sc)[64]) {
   // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
-  // 16(i/2) + 4t + 2(i%2) + e; one float4 of δK serves the 4 keys 16G + 4t..4t+3.
+  // key_of_column(i, t, e); one float4 of δK serves the 4 keys 16G + 4t..4t+3 (columns i = G and G + 8).
   // The bits x + 0x4B400000 are the fp32 M + x (M = 1.5·2^23, |x| < 2^22), and u = (M + x)·δK − M·δK in
   // one FMA: exact when M·δK is, which spec.prepare guarantees by giving δK at most 22 significant bits
   // (spec.fma_friendly) — then this is the single rounding of x·δK, as if x were converted first.
@@ -250,7 +282,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * (2 * grp + a) + 2 * hr + e;
+          const int idx = 4 * (grp + 8 * a) + 2 * hr + e;
           const float mx = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000);
           sc[idx] = fmaf(mx, ksv[2 * a + e], kbias[2 * a + e]);
         }
@@ -263,7 +295,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * i + 2 * hr + e;
-          const int key = k0 + 16 * (i >> 1) + 4 * t + 2 * (i & 1) + e;
+          const int key = k0 + key_of_column(i, t, e);
           const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
           sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
         }
@@ -297,16 +329,18 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
   }
 }
 
-// P̂ = e4m3(P448), packed in the A layout of the PV product's four k32 steps.
+// P̂ = e4m3(P448), packed in the A layout of the PV product's four k32 steps: step kc's keys 32kc + 4t + j
+// (rows g, g + 8) and 32kc + 16 + 4t + j sit in columns i = G, G + 8 for G = 2kc, 2kc + 1.
 __device__ __forceinline__ void pack_weights(const float (&sc)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
-  for (int kc = 0; kc < 4; ++kc) {
-    const int i0 = 4 * kc;
-    pa[kc][0] = pack_e4m3x4(sc[4 * i0 + 0], sc[4 * i0 + 1], sc[4 * i0 + 4], sc[4 * i0 + 5]);
-    pa[kc][1] = pack_e4m3x4(sc[4 * i0 + 2], sc[4 * i0 + 3], sc[4 * i0 + 6], sc[4 * i0 + 7]);
-    pa[kc][2] = pack_e4m3x4(sc[4 * i0 + 8], sc[4 * i0 + 9], sc[4 * i0 + 12], sc[4 * i0 + 13]);
-    pa[kc][3] = pack_e4m3x4(sc[4 * i0 + 10], sc[4 * i0 + 11], sc[4 * i0 + 14], sc[4 * i0 + 15]);
-  }
+  for (int kc = 0; kc < 4; ++kc)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int lo = 4 * (2 * kc + half), hi = lo + 32;  // accumulator index of columns i and i + 8
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        pa[kc][2 * half + hr] = pack_e4m3x4(sc[lo + 2 * hr], sc[lo + 2 * hr + 1], sc[hi + 2 * hr], sc[hi + 2 * hr + 1]);
+    }
 }
 
 // Epilogue of a consumer thread's two rows: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
@@ -549,7 +583,8 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
 template <int D>
 struct BlockCopier {
   static constexpr int kChunks = D / 16;                    // 16-byte chunks per K row
-  static constexpr int kKRowsPerStep = 128 / kChunks;       // K rows covered by one pass of 128 threads
+  static constexpr int kKRowsPerStep = 128 / kChunks;       // K rows (keys) covered by one pass of 128 threads
+  static constexpr int kKSmemStep = kKRowsPerStep / 2 * D;  // their shared-memory advance (k_row_of_key)
   static constexpr int kKSteps = kBlockN * kChunks / 128;
   static constexpr int kVSteps = D * (kBlockN / 16) / 128;  // 16 Vᵀ rows of 8 chunks per pass
   uint32_t k_soff, v_soff;  // shared-memory byte offsets of this thread's first K and V chunk in a stage
@@ -580,18 +615,21 @@ struct BlockCopier {
     if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range
 #pragma unroll
       for (int i = 0; i < kKSteps; ++i)
-        cp_async_16(dK + k_soff + i * kKRowsPerStep * D, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
-      if (lane < kBlockN) cp_async_4(dKS + lane * 4, ks_g + k0 + lane, true);
+        cp_async_16(dK + k_soff + i * kKSmemStep, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
     } else {
 #pragma unroll
       for (int i = 0; i < kKSteps; ++i) {
         const bool ok = k0 + k_n0 + i * kKRowsPerStep < p.nk;
-        cp_async_16(dK + k_soff + i * kKRowsPerStep * D, ok ? k_blk + k_goff + i * kKRowsPerStep * k_row : k_g, ok);
+        cp_async_16(dK + k_soff + i * kKSmemStep, ok ? k_blk + k_goff + i * kKRowsPerStep * k_row : k_g, ok);
       }
-      if (lane < kBlockN) {
-        const bool ok = k0 + lane < p.nk;
-        cp_async_4(dKS + lane * 4, ok ? ks_g + k0 + lane : ks_g, ok);
-      }
+    }
+    issue_k_scales(p, k0, dKS, ks_g);
+  }
+
+  __device__ __forceinline__ void issue_k_scales(const Params& p, int k0, uint32_t dKS, const float* ks_g) const {
+    if (lane < kBlockN) {
+      const bool ok = kHotPathOnly || k0 + lane < p.nk;
+      cp_async_4(dKS + lane * 4, ok ? ks_g + k0 + lane : ks_g, ok);
     }
   }
 
@@ -672,8 +710,9 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 // ---------------------------------------------------------------------------------------------------
 // Variants 1 and 2: one warpgroup per CTA (64 query rows, 128 threads), two or three CTAs per SM — the
 // Triton kernel's shape: no producer, no ping-pong; the resident CTAs overlap each other's softmax and
-// wgmmas. Every thread issues its share of the next block's cp.async (classic multistage pipeline: commit
-// groups, wait_group, one barrier per block). Same numerics as the warp-specialized kernel. Three CTAs
+// wgmmas. Thread 0 issues the next block's tensor-map copies (K, Vᵀ, δK) on the stage's mbarrier, with no
+// block-wide barrier in the loop; where the maps cannot be made, every thread issues its share of cp.async
+// instead (commit groups, wait_group, one barrier per block). Same numerics as the warp-specialized kernel. Three CTAs
 // per SM cap registers at 168 (D=64 fits; D=128 spills a few O registers) and leave room for two stages
 // at D=128. FlashAttention-3's intra-warpgroup overlap was tried on this shape and lost (notes).
 // ---------------------------------------------------------------------------------------------------
@@ -689,7 +728,10 @@ struct SmemLayout1 {
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
   static constexpr int kKScale = kV + kStages * kVBytes;
-  static constexpr int kBytes = kKScale + kStages * kBlockN * 4;
+  // Per stage (tensor maps only): "its bytes landed" (full) and "all four warps are done with it" (empty).
+  static constexpr int kFull = kKScale + kStages * kBlockN * 4;
+  static constexpr int kEmpty = kFull + kStages * 8;
+  static constexpr int kBytes = kEmpty + kStages * 8;
   static constexpr int kDynamic = kBytes + 1024;
 };
 
@@ -703,7 +745,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <int D, int CtasPerSm>
+// kMaps: copies by tensor map (launch() picks this instantiation when p.tma), else by cp.async — separate
+// instantiations, so that neither carries the other's state through the loop.
+template <int D, int CtasPerSm, bool kMaps>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
   using L = SmemLayout1<D, Stages1<D, CtasPerSm>()>;
   constexpr int kStages = L::kStages;
@@ -727,10 +771,35 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
   load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
   const BlockCopier<D> copier(tid, k_row, v_row);
-  auto load_block = [&](int j) {
-    const int s = j % kStages;
-    copier.issue(p, j * kBlockN, sK + s * L::kKBytes, sV + s * L::kVBytes, sKS + s * kBlockN * 4, k_g, v_g, ks_g,
-                 k_row, v_row);
+  // With tensor maps thread 0 issues every copy of a block — K's two permuted halves, Vᵀ and δK — on the
+  // stage's full barrier; each warp's lane 0 arrives on the stage's empty barrier once its products of the
+  // block have completed, and thread 0 waits for all four before refilling the stage. No block-wide barrier
+  // in the loop. Without maps every thread copies its share by cp.async (commit groups, wait_group, one
+  // __syncthreads per block).
+  constexpr bool by_map = kHotPathOnly || kMaps;
+  const uint32_t sFull = base + L::kFull, sEmpty = base + L::kEmpty;
+  if (by_map && tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(sFull + 8 * s, 1);
+      mbarrier_init(sEmpty + 8 * s, 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto load_block = [&](int j) {  // block j into stage j % kStages
+    const int s = j % kStages, k0 = j * kBlockN;
+    const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
+    if constexpr (!by_map) {
+      copier.issue(p, k0, dK, dV, dKS, k_g, v_g, ks_g, k_row, v_row);
+      return;
+    }
+    const uint32_t full = sFull + 8 * s;
+    if (j >= kStages) mbarrier_wait(sEmpty + 8 * s, (j / kStages - 1) & 1);
+    mbarrier_expect_tx(full, 2 * kBlockN * D + kBlockN * 4);
+    tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
+    tma_load_5d(dK + 64 * D, &p.k_map, full, 0, 2, k0 / 4, hk, b);
+    tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
+    tma_load_3d(dKS, &p.ks_map, full, k0, hk, b);
   };
   auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
   auto v_desc = [&](int j) { return smem_descriptor(sV + (j % kStages) * L::kVBytes, 128); };
@@ -739,11 +808,16 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     fence_proxy_async();
     __syncthreads();
   };
-  // Groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per iteration.
+  // cp.async groups: {Q, block 0}, {block 1}, ..., {block kStages − 2}; then one (possibly empty) group per
+  // iteration. With maps only Q is a cp.async group, waited for here.
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    if (j < n_blocks) load_block(j);
+    if (j < n_blocks && (!by_map || tid == 0)) load_block(j);
     cp_async_commit();
+  }
+  if (by_map) {
+    cp_async_wait<0>();
+    blocks_landed();
   }
 
   int row[2];
@@ -760,10 +834,15 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   uint32_t pa[4][4];
 
   for (int j = 0; j < n_blocks; ++j) {
-    cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
-    blocks_landed();               // everyone's have, and everyone is done with block j − 1's stage
-    if (j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
-    cp_async_commit();
+    if constexpr (by_map) {
+      if (tid == 0 && j + kStages - 1 < n_blocks) load_block(j + kStages - 1);  // into block j − 1's stage
+      mbarrier_wait(sFull + 8 * (j % kStages), (j / kStages) & 1);
+    } else {
+      cp_async_wait<kStages - 2>();  // this thread's copies of block j have landed
+      blocks_landed();               // everyone's have, and everyone is done with block j − 1's stage
+      if (j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
+      cp_async_commit();
+    }
 
     uint32_t acc[64];
     wgmma_fence();
@@ -777,6 +856,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     issue_pv<D>(pv, pa, v_desc(j));
     wgmma_commit();
     wgmma_wait<0>();
+    if (by_map && lane == 0) mbarrier_arrive(sEmpty + 8 * (j % kStages));  // this warp is done with the stage
     fold_block(o, alpha, pv);
   }
   cp_async_wait<0>();
@@ -799,15 +879,108 @@ static cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configured) {
   return cudaSuccess;
 }
 
-template <int D, int CtasPerSm>
-static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
+// cuTensorMapEncodeTiled from the driver the runtime already loaded (no -lcuda); null if unavailable.
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A size-1 dimension's stride is arbitrary in torch; the tensor map wants it to cover the dimension inside.
+static uint64_t outer_stride(int64_t stride, int64_t size, uint64_t inner_extent) {
+  return size <= 1 ? inner_extent : static_cast<uint64_t>(stride);
+}
+
+// SAGE_SM90_TMA=0 turns the tensor maps off (every copy a cp.async) for side-by-side measurement.
+static bool tensor_maps_enabled() {
+  static const bool enabled = [] {
+    const char* text = std::getenv("SAGE_SM90_TMA");
+    return text == nullptr || std::strcmp(text, "0") != 0;
+  }();
+  return enabled;
+}
+
+static bool aligned16(uint64_t x) { return x % 16 == 0; }
+
+// Tensor maps of K (permuted-row halves, see k_row_of_key), Vᵀ and δK for the one-warpgroup kernel, all or
+// none: tma = 1 only when every map encodes. Keys past Nk read as zeros (the copy engine fills them), so
+// the tail block needs no special case. Strides the copy engine cannot take (not multiples of 16 bytes),
+// Nk not a multiple of 4 (K's rows are addressed as quads) or shorter than one block leave tma = 0.
+static void fill_tensor_maps(Params& q) {
+  q.tma = 0;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || !tensor_maps_enabled() || q.nk < kBlockN || q.nk % 4 != 0) return;
+  const int d = q.head_dim_padded;
+  const cuuint64_t batch = static_cast<cuuint64_t>(q.batch), heads = static_cast<cuuint64_t>(q.hkv);
+  cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  // Vᵀ [B, Hkv, Dp, Nkp] bytes: dims (key, d, head, batch), box 128 keys × Dp rows.
+  {
+    const uint64_t sd = q.v_sd, sh = outer_stride(q.v_sh, q.hkv, sd * d);
+    const uint64_t sb = outer_stride(q.v_sb, q.batch, sh * q.hkv);
+    cuuint64_t dims[4] = {static_cast<cuuint64_t>(q.nkp), static_cast<cuuint64_t>(d), heads, batch};
+    cuuint64_t strides[3] = {sd, sh, sb};
+    cuuint32_t box[4] = {kBlockN, static_cast<cuuint32_t>(d), 1, 1};
+    if (!aligned16(reinterpret_cast<uint64_t>(q.v)) || !aligned16(sd) || !aligned16(sh) || !aligned16(sb)) return;
+    if (encode(&q.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<uint8_t*>(q.v), dims, strides, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return;
+  }
+  // K [B, Hkv, Nk, Dp] bytes: dims (d, r, quad, head, batch) with key = 4·quad + r; a box is one half
+  // (r ∈ {2a, 2a + 1}) of a block's 32 quads.
+  {
+    const int quads = q.nk / 4;
+    const uint64_t sn = q.k_sn, sh = outer_stride(q.k_sh, q.hkv, sn * q.nk);
+    const uint64_t sb = outer_stride(q.k_sb, q.batch, sh * q.hkv);
+    cuuint64_t dims[5] = {static_cast<cuuint64_t>(d), 4, static_cast<cuuint64_t>(quads), heads, batch};
+    cuuint64_t strides[4] = {sn, 4 * sn, sh, sb};
+    cuuint32_t box[5] = {static_cast<cuuint32_t>(d), 2, kBlockN / 4, 1, 1};
+    const CUtensorMapSwizzle swizzle = d == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+    if (!aligned16(reinterpret_cast<uint64_t>(q.k)) || !aligned16(sn) || !aligned16(sh) || !aligned16(sb)) return;
+    if (encode(&q.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, const_cast<int8_t*>(q.k), dims, strides, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return;
+  }
+  // δK [B, Hkv, Nk] fp32 (keys contiguous): dims (key, head, batch), box 128 keys.
+  {
+    const uint64_t sh = outer_stride(q.ks_sh, q.hkv, q.nk) * 4;
+    const uint64_t sb = outer_stride(q.ks_sb, q.batch, sh / 4 * q.hkv) * 4;
+    cuuint64_t dims[3] = {static_cast<cuuint64_t>(q.nk), heads, batch};
+    cuuint64_t strides[2] = {sh, sb};
+    cuuint32_t box[3] = {kBlockN, 1, 1};
+    if (!aligned16(reinterpret_cast<uint64_t>(q.k_scale)) || !aligned16(sh) || !aligned16(sb)) return;
+    if (encode(&q.ks_map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(q.k_scale), dims, strides, box,
+               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return;
+  }
+  q.tma = 1;
+}
+
+template <int D, int CtasPerSm, bool kMaps>
+static cudaError_t launch_1wg_with(const Params& p, cudaStream_t stream) {
   static unsigned configured = 0;
   constexpr int kSmem = SmemLayout1<D, Stages1<D, CtasPerSm>()>::kDynamic;
-  cudaError_t err = allow_smem(attention_kernel_1wg<D, CtasPerSm>, kSmem, configured);
+  cudaError_t err = allow_smem(attention_kernel_1wg<D, CtasPerSm, kMaps>, kSmem, configured);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
-  attention_kernel_1wg<D, CtasPerSm><<<grid, 128, kSmem, stream>>>(p);
+  attention_kernel_1wg<D, CtasPerSm, kMaps><<<grid, 128, kSmem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <int D, int CtasPerSm>
+static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
+  Params q = p;
+  fill_tensor_maps(q);
+  return q.tma ? launch_1wg_with<D, CtasPerSm, true>(q, stream) : launch_1wg_with<D, CtasPerSm, false>(q, stream);
 }
 
 template <int D>
@@ -845,12 +1018,12 @@ static cudaError_t attributes_for(int variant, cudaFuncAttributes* attr, int* dy
     *dynamic_smem = SmemLayout<D>::kDynamic;
     return cudaFuncGetAttributes(attr, attention_kernel<D>);
   }
-  if (variant == 1) {
+  if (variant == 1) {  // the tensor-map instantiation (the cp.async one runs only where no map can be made)
     *dynamic_smem = SmemLayout1<D, Stages1<D, 2>()>::kDynamic;
-    return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2>);
+    return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true>);
   }
   *dynamic_smem = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
-  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3>);
+  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true>);
 }
 
 bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,

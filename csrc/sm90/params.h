@@ -1,6 +1,8 @@
 // The sm90 kernel's launch parameters: raw pointers and element strides, checked by the Python caller
 // (sage_compile/kernels/sm90.py) against the contract of sage_compile.spec.Prepared.
 #pragma once
+#include <cuda.h>  // CUtensorMap (a 128-byte value; no driver library is linked)
+
 #include <cstdint>
 
 namespace sage_sm90 {
@@ -32,6 +34,13 @@ struct Params {
   int causal_offset;  // key j visible to query i iff j <= i + causal_offset
   int kv_lens_int64;
   int out_dtype;      // OutDtype
+  // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
+  // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows), Vᵀ (4-D:
+  // key, d, head, batch) and δK (3-D: key, head, batch).
+  int tma;
+  CUtensorMap k_map;  // 64-byte aligned by its type, as a kernel parameter must be
+  CUtensorMap v_map;
+  CUtensorMap ks_map;
 };
 
 // Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.

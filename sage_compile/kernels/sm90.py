@@ -23,10 +23,11 @@ HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
 # Launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
 # 128 rows per CTA); 1, 2 = one warpgroup per CTA (64 rows) with two or three CTAs per SM.
 # SAGE_SM90_VARIANT pins one; by default each head dim gets the shape measured fastest there (H100,
-# docs/results/sm90_history_h100.json): three CTAs at D=64 (+12-17% over two), two at D=128 (three
-# spill a few O registers and were −10% to +0.5% against two at N >= 16K over three runs).
+# docs/results/sm90_history_h100.json): three CTAs per SM at both head dims — +12-17% over two at D=64,
+# and at D=128 +8-12% over two since the one-warpgroup kernels copy by tensor map (runs 17-20), although
+# at 168 registers it spills a few O registers (~70 bytes of L1-resident local traffic per key block).
 VARIANTS = tuple(_sm90.VARIANTS)
-DEFAULT_VARIANT = {64: 2, 128: 1}  # padded head dim → launch variant
+DEFAULT_VARIANT = {64: 2, 128: 2}  # padded head dim → launch variant
 
 
 def variant(padded_head_dim: int) -> int:

@@ -159,13 +159,13 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
     assert "head dim" in sm90.supports(big)
 
 
-def test_kernel_info_reports_no_spills():
-    """The launch shape each head dim gets by default never spills (three CTAs per SM at D=128 does spill a
-    few O registers: that is why it is not D=128's default)."""
+def test_kernel_info_reports_resources():
+    """Every launch shape fits the register file; D=64's default never spills; D=128's default (three CTAs
+    per SM, 168 registers) spills a few O registers — bounded here so that growth is noticed."""
     for d in sm90.HEAD_DIMS:
         info = sm90.kernel_info(d)
-        assert info["local_bytes"] == 0, info  # no spills to local memory
         assert info["variant"] == sm90.VARIANTS[sm90.DEFAULT_VARIANT[d]]
+        assert info["local_bytes"] <= (0 if d == 64 else 64), info
     for variant in VARIANTS:
         for d in sm90.HEAD_DIMS:
             info = sm90.kernel_info(d, variant)
