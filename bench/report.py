@@ -171,6 +171,17 @@ def main() -> int:
                   "(tests/test_real_weights.py):", "", "| | min | mean |", "|---|---|---|",
                   f"| sage ({minilm['kernel']}) | {minilm['sage_min']:.5f} | {minilm['sage_mean']:.5f} |",
                   f"| bf16 SDPA | {minilm['bf16_min']:.5f} | {minilm['bf16_mean']:.5f} |", ""]
+    gpu = _load("minilm_gpu_h100.json")
+    if gpu:
+        c, t = gpu["compiled"], gpu["transformers_integration_eager"]
+        lines += [f"Same sentences on the GPU — {gpu['device']}, torch {gpu['torch']}, transformers "
+                  f"{gpu['transformers']} (tests/gpu/test_real_weights_gpu.py; fp16-packed weights, reference = "
+                  f"{gpu['reference']}); kernel(s): {', '.join(c['kernels'])}:", "", "| | min | mean |", "|---|---|---|",
+                  f"| sage, compiled (backend=\"sage\") | {c['sage']['min']:.5f} | {c['sage']['mean']:.5f} |",
+                  f"| sage, transformers AttentionInterface (eager) | {t['sage']['min']:.5f} | {t['sage']['mean']:.5f} |",
+                  f"| bf16 SDPA | {c['bf16_sdpa']['min']:.5f} | {c['bf16_sdpa']['mean']:.5f} |",
+                  f"| fp32 from the fp16-packed weights | {c['fp32_from_fp16_weights']['min']:.6f} | "
+                  f"{c['fp32_from_fp16_weights']['mean']:.6f} |", ""]
     for name in ("models_h100.json", "models_h200.json"):
         models = _load(name)
         if models:

@@ -25,7 +25,8 @@ def _model_dir():
     return os.path.join(spec.submodule_search_locations[0], "model")
 
 
-def _embed(model, batch):
+def embed(model, batch):
+    """Mean-pooled, normalized sentence embeddings (padding excluded), fp32."""
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state.float()
     mask = batch["attention_mask"][..., None].float()
@@ -39,13 +40,13 @@ def test_minilm_sentence_embeddings_with_sage_match_fp32(monkeypatch):
     path = _model_dir()
     batch = AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt")
     assert (batch["attention_mask"] == 0).any()  # padded: the mask must reach the kernel
-    reference = _embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
+    reference = embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
     model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
 
     explanation = sage_compile.explain(model, **batch)
     assert len(explanation.replaced) == len(explanation.sites) == 6
-    sage = _embed(sage_compile.compile(model, options={"inner_backend": "aot_eager"}), batch)
-    bf16 = _embed(model, batch)
+    sage = embed(sage_compile.compile(model, options={"inner_backend": "aot_eager"}), batch)
+    bf16 = embed(model, batch)
     cos_sage, cos_bf16 = (sage * reference).sum(-1), (bf16 * reference).sum(-1)
     # issue 6: ≥0.9997 min and ≥0.9998 mean; bf16 SDPA reaches 0.99990 / 0.99995 here, an independent
     # 8-bit emulation 0.99973 / 0.99981; measured with the CPU kernel: 0.99976 / 0.99982
@@ -61,7 +62,7 @@ def test_transformers_integration_keeps_the_padding_mask(monkeypatch):
 
     path = _model_dir()
     batch = AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt")
-    reference = _embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
+    reference = embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
     masks_seen = []
     forward = sage_hf.make_attention_forward()
 
@@ -74,7 +75,7 @@ def test_transformers_integration_keeps_the_padding_mask(monkeypatch):
     name = sage_hf.register("sage_test")
     AttentionInterface.register(name, spy)
     model = AutoModel.from_pretrained(path, attn_implementation=name, dtype=torch.bfloat16).eval()
-    cos = (_embed(model, batch) * reference).sum(-1)
+    cos = (embed(model, batch) * reference).sum(-1)
     assert masks_seen and all(masks_seen)  # the mask function is registered: padding reaches the kernel
     assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
     assert cos.min() >= 0.9997 and cos.mean() >= 0.9998, cos
