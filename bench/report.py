@@ -145,7 +145,7 @@ def main() -> int:
         lines += _sm90_table(sm90) + [""]
     e2e_h100 = _load("e2e_bench_h100.json")
     if e2e_h100:
-        lines += _e2e_table(e2e_h100, "End to end with the fused rope prep, dynamic=True (session 3)") + [""]
+        lines += _e2e_table(e2e_h100, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 6)") + [""]
         lines += ["Prep GPU time at N=16K, D=128, H=16 (torch.profiler, kernel records; "
                   "`prep_fused_kernels_h100.txt`, `prep_kernels_h100.txt`): fused rope prep 0.205 ms, Inductor's "
                   "fusion 0.260 ms; memory floor 0.101 ms (one read of x_q, x_k, v), 0.145 ms with the second read "

@@ -82,7 +82,10 @@ def _kernel_for_site(order, device, padded_head_dim: int, pv: str, dtype):
     with unset_fake_temporarily():
         q = torch.empty((1, 1, 0, padded_head_dim), dtype=torch.int8, device=device)
         scale = torch.empty((1, 1, 0), dtype=torch.float32, device=device)
-        v = torch.empty((1, 1, padded_head_dim, 0), dtype=spec.PV_DTYPES[pv], device=device)
+        # Vᵀ rows are padded to 16 keys by the prep: give the stand-in that row stride (an empty tensor's
+        # natural stride 1 would read as a misaligned row to kernels that check it).
+        v = torch.empty_strided((1, 1, padded_head_dim, 0), (padded_head_dim * 16, padded_head_dim * 16, 16, 1),
+                                dtype=spec.PV_DTYPES[pv], device=device)
         v_scale = torch.empty((1, 1, padded_head_dim), dtype=torch.float32, device=device)
         args = KernelArgs(q, scale, q, scale, v, v_scale, None, None, None, 128, 0, padded_head_dim, dtype)
         try:

@@ -38,11 +38,13 @@ class KernelArgs:
 
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
-# breaks import). The native sm90 kernel comes after Triton until it is faster than it (docs/notes.md: on an
-# H100 it is level with Triton at D=128 from 16K keys, behind at 4K); SAGE_KERNELS=sm90,triton,... pins it.
+# breaks import). The native sm90 kernel comes first on Hopper: since session 6 it is ahead of the Triton
+# kernel at both head dims (H100, N=16K: 693 vs 662 TOPS at D=128, 476 vs 450 at D=64; behind by 2-3% only
+# causal at D=128 from 16K keys — docs/results/README.md); inputs it does not cover fall through to Triton.
+# SAGE_KERNELS=triton,sm90,... changes the order.
 KERNEL_MODULES = (
-    "sage_compile.kernels.triton",
     "sage_compile.kernels.sm90",
+    "sage_compile.kernels.triton",
     "sage_compile.kernels.cpu",
     "sage_compile.kernels.reference",
 )

@@ -1,4 +1,6 @@
 """The whole pipeline on a CUDA GPU: backend="sage" → fused prep + Triton kernel, graphs, CUDA graphs."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,10 +78,11 @@ def test_reduce_overhead_cuda_graphs_equal_default_mode():
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
 
 
-def test_explain_on_gpu_picks_the_triton_kernel():
+def test_explain_on_gpu_picks_the_preferred_kernel():
     model, x = _model_and_input(n=256)
     explanation = sage_compile.explain(model, x, config=ALWAYS)
-    assert [s.kernel for s in explanation.sites] == ["triton"] * 3
+    hopper = torch.cuda.get_device_capability() == (9, 0) and importlib.util.find_spec("sage_compile._sm90")
+    assert [s.kernel for s in explanation.sites] == ["sm90" if hopper else "triton"] * 3
     assert explanation.graph_breaks == 0
     by_default = sage_compile.explain(model, x)  # 256 keys: below the measured sm90 threshold
     assert not by_default.replaced and all("SDPA is faster" in s.reason for s in by_default.sites)
