@@ -143,6 +143,18 @@ def main() -> int:
     sm90 = _load("kernel_bench_h100_sm90.json")
     if sm90:
         lines += _sm90_table(sm90) + [""]
+    sm90_h200 = _load("kernel_bench_h200_sm90.json")
+    if sm90_h200:
+        info = sm90_h200["info"]
+        lines += [f"## Native sm90 kernel on the {info['device']}, torch {info['torch']}, triton {info['triton']}", "",
+                  f"{info['note']} Source: `kernel_bench_h200_sm90.json`.", "",
+                  "| D | causal | N | sm90 v0 | sm90 v1 | sm90 v2 (default) | sage Triton | SDPA cuDNN | SDPA flash |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sm90_h200["rows"]:
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('sm90_tops', 0):.0f} | "
+                         f"{r.get('sm90_1wg_tops', 0):.0f} | {r.get('sm90_3cta_tops', 0):.0f} | {r['triton_tops']:.0f} | "
+                         f"{r.get('cudnn_tops', 0):.0f} | {r.get('flash_tops', 0):.0f} |")
+        lines.append("")
     e2e_h100 = _load("e2e_bench_h100.json")
     if e2e_h100:
         lines += _e2e_table(e2e_h100, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 6)") + [""]
