@@ -29,6 +29,13 @@ def _kernel_table(kernel) -> list:
     return lines
 
 
+def _sm90_rows(rows) -> list:
+    """One table row per kernel_bench row: the three sm90 launch shapes, Triton, cuDNN, flash (TOPS)."""
+    cols = ("sm90", "sm90_1wg", "sm90_3cta", "triton", "cudnn", "flash")
+    return [f"| {r['d']} | {r['causal']} | {r['n']} | " + " | ".join(f"{r.get(c + '_tops', 0):.0f}" for c in cols) + " |"
+            for r in rows]
+
+
 def _sm90_table(data) -> list:
     info = data["info"]
     lines = [f"## Native sm90 kernel vs Triton vs SDPA — {info['device']}, torch {info['torch']}, "
@@ -38,11 +45,7 @@ def _sm90_table(data) -> list:
              "| D | causal | N | sm90 v0 (warp-specialized) | sm90 v1 (one warpgroup, 2 CTAs/SM) | "
              "sm90 v2 (one warpgroup, 3 CTAs/SM) | sage Triton | SDPA cuDNN | SDPA flash |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('sm90_tops', 0):.0f} | "
-                     f"{r.get('sm90_1wg_tops', 0):.0f} | {r.get('sm90_3cta_tops', 0):.0f} | {r['triton_tops']:.0f} | "
-                     f"{r.get('cudnn_tops', 0):.0f} | "
-                     f"{r.get('flash_tops', 0):.0f} |")
+    lines += _sm90_rows(data["rows"])
     lines += ["", "Resources (registers at launch; v0 redistributes them with setmaxnreg: 224 per consumer thread, "
               "56 per producer thread):", "", "| head dim / variant | threads | registers | local (spill) bytes | "
               "dynamic shared memory |", "|---|---|---|---|---|"]
@@ -150,11 +153,7 @@ def main() -> int:
                   f"{info['note']} Source: `kernel_bench_h200_sm90.json`.", "",
                   "| D | causal | N | sm90 v0 | sm90 v1 | sm90 v2 (default) | sage Triton | SDPA cuDNN | SDPA flash |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for r in sm90_h200["rows"]:
-            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('sm90_tops', 0):.0f} | "
-                         f"{r.get('sm90_1wg_tops', 0):.0f} | {r.get('sm90_3cta_tops', 0):.0f} | {r['triton_tops']:.0f} | "
-                         f"{r.get('cudnn_tops', 0):.0f} | {r.get('flash_tops', 0):.0f} |")
-        lines.append("")
+        lines += _sm90_rows(sm90_h200["rows"]) + [""]
     e2e_h100 = _load("e2e_bench_h100.json")
     if e2e_h100:
         lines += _e2e_table(e2e_h100, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 6)") + [""]
