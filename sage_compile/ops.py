@@ -114,6 +114,7 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         spec.kernel_mask(spec.broadcast_mask(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
+        p.k_thread_groups,
     )
     return out
 
@@ -171,12 +172,14 @@ def quantized_attention(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor],
     delta_s: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-    q_group: int, causal: int, head_dim: int, out_dtype: torch.dtype,
+    q_group: int, causal: int, head_dim: int, out_dtype: torch.dtype, k_thread_groups: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores)."""
+    """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores).
+    ``k_thread_groups``: k_scale is constant over each per_thread key group (k_granularity='per_thread');
+    a kernel may then read one δK per group."""
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens,
-                      q_group, causal, head_dim, out_dtype, attn_mask)
+                      q_group, causal, head_dim, out_dtype, attn_mask, k_thread_groups)
     if q.shape[2] == 0:
         return out, lse
     dispatch.run(args, out, lse)
@@ -185,5 +188,5 @@ def quantized_attention(
 
 @quantized_attention.register_fake
 def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, q_group, causal, head_dim,
-      out_dtype):
+      out_dtype, k_thread_groups=False):
     return _empty_outputs(q, k, head_dim, out_dtype)

@@ -8,7 +8,8 @@ kernels on CUDA:
 
 * ``sage::rope_mean(x, tables)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing); one
   read of x, split over token ranges, partial sums added in a fixed order (deterministic).
-* ``sage::rope_quantize(x, tables, mean, out_scale)`` — rope(x) − μ, per-token amax, int8 with
+* ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups)`` — rope(x) − μ, per-token amax (or per
+  spec's per_thread K groups), int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
 On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
 
@@ -48,17 +49,18 @@ def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quanti
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
     k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
+    thread_groups = quant.k_granularity == "per_thread"
     q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
-    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0)
+    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
     v_t, v_scale, v_mean = spec.prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
-                         delta_s=None, q_group=quant.q_block, lse_shift=None)
+                         delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups)
 
 
 def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]:
     """Why the fused rope prep cannot serve these inputs (None: it can)."""
-    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity != "per_token":
-        return "fused rope prep does int8 per-token Q/K only"
+    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity == "per_block":
+        return "fused rope prep does int8 with per-token Q and per-token or per-thread K only"
     if quant.smooth_q:
         return "fused rope prep does not do smooth_q"
     if kv_lens is not None:
@@ -81,12 +83,14 @@ def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torc
 
 
 def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
-                            out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of rope(x) − mean: spec step 3, per token."""
+                            out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of rope(x) − mean: spec step 3, per token (per
+    spec's per_thread K groups with ``thread_groups``)."""
     r = rope_reference(x, tables)
     if mean is not None:
         r = r - mean
-    x8, delta = spec.quantize_symmetric(r, r.abs().amax(dim=-1), spec.QK_LEVELS["int8"])
+    amax = spec.group_amax(r, "per_thread" if thread_groups else "per_token", spec.THREAD_GROUP_KEYS)
+    x8, delta = spec.quantize_symmetric(r, amax, spec.QK_LEVELS["int8"])
     return x8, delta * out_scale
 
 
@@ -94,10 +98,10 @@ def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tenso
     return torch.ops.sage.rope_mean(x, list(tables)) if x.is_cuda else rope_mean_reference(x, tables)
 
 
-def rope_quantize_op(x, tables, mean, out_scale):
+def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False):
     if x.is_cuda:
-        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale)
-    return rope_quantize_reference(x, tables, mean, out_scale)
+        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale, thread_groups)
+    return rope_quantize_reference(x, tables, mean, out_scale, thread_groups)
 
 
 def _same_halves(tables) -> bool:
@@ -130,7 +134,7 @@ if HAS_TRITON:
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
-                      out_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                      out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
         from .kernels import prep_triton
 
@@ -138,5 +142,5 @@ if HAS_TRITON:
         x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
         deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
         prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
-                                         mean, x8, deltas)
+                                         mean, x8, deltas, thread_groups=thread_groups)
         return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)

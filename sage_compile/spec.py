@@ -36,7 +36,14 @@ CAUSAL_NAMES = {CAUSAL_NONE: "none", CAUSAL_TOP_LEFT: "top_left", CAUSAL_BOTTOM_
 
 QK_LEVELS = {"int8": 127, "int4": 7}
 PV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}
-GRANULARITIES = ("per_token", "per_block")
+GRANULARITIES = ("per_token", "per_thread", "per_block")  # of K
+Q_GRANULARITIES = ("per_token", "per_block")
+# per_thread (K only): within each block of THREAD_GROUP_KEYS keys, key k belongs to group (k mod 16) div 4
+# — the 32 keys one thread of the sm90 kernel holds in its QK accumulator (columns 8i + 2t + e after the
+# kernel's K row permutation, t = lane mod 4). One δK per thread and key block, so the kernel folds
+# δQ·δK into the exp2 FMA once per row instead of multiplying every score by its key's δK.
+THREAD_GROUP_KEYS = 128
+THREAD_GROUPS_PER_BLOCK = 4
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class Quantization:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive int")
+        if self.q_granularity == "per_thread":
+            raise ValueError("q_granularity='per_thread': thread groups are a K granularity (a kernel applies "
+                             "δQ once per row anyway); use per_token or per_block for Q")
         if self.qk == "int4" and not self.smooth_q:
             raise ValueError("qk='int4' needs smooth_q=True (4-bit Q is unusable without smoothing)")
 
@@ -79,15 +89,38 @@ def padded_head_dim(d: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # Prep (steps 1–3 and V): traceable, used verbatim by the sage.attention decomposition.
 # --------------------------------------------------------------------------------------------------
-def group_amax(x: torch.Tensor, granularity: str, block: int) -> torch.Tensor:
-    """amax|x| per token ([..., N, D] → [..., N]); per_block repeats the block's amax on its tokens."""
+def group_amax(x: torch.Tensor, granularity: str, block: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """amax|x| per token ([..., N, D] → [..., N]); per_block / per_thread repeat each group's amax on its
+    tokens. ``valid`` [B, N] (kv_lens): keys outside it (masked in every kernel) set no group's amax and
+    take their group's, so a group's scale stays one value."""
     token_amax = x.abs().amax(dim=-1)
     if granularity == "per_token":
         return token_amax
     n = token_amax.shape[-1]
-    padded = torch.nn.functional.pad(token_amax, (0, (-n) % block))
-    blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)
-    return blocks.repeat_interleave(block, dim=-1)[..., :n]
+    source = token_amax if valid is None else token_amax * valid[:, None, :].to(token_amax.dtype)
+    if granularity == "per_thread":
+        grouped = thread_group_max(source)
+    else:
+        padded = torch.nn.functional.pad(source, (0, (-n) % block))
+        grouped = padded.unflatten(-1, (-1, block)).amax(dim=-1).repeat_interleave(block, dim=-1)[..., :n]
+    return grouped
+
+
+def thread_group_max(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] → [..., N]: each key's value replaced by the max over its per_thread group (see
+    THREAD_GROUP_KEYS): key 128b + 16G + 4t + j is in group (b, t)."""
+    n = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, (-n) % THREAD_GROUP_KEYS), value=-math.inf)
+    groups = padded.unflatten(-1, (-1, THREAD_GROUP_KEYS // 16, THREAD_GROUPS_PER_BLOCK, 4))  # (b, G, t, j)
+    grouped = groups.amax(dim=-1, keepdim=True).amax(dim=-3, keepdim=True).expand_as(groups)
+    return grouped.flatten(-4)[..., :n]
+
+
+def check_k_thread_groups(k_scale: torch.Tensor) -> None:
+    """The promise of ``k_thread_groups=True``: δK is constant over every per_thread group."""
+    if not torch.equal(thread_group_max(k_scale), k_scale) or not torch.equal(-thread_group_max(-k_scale), k_scale):
+        raise ValueError("sage.quantized_attention: k_thread_groups=True but k_scale is not constant over each "
+                         "per_thread key group (spec.thread_group_max)")
 
 
 def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
@@ -145,6 +178,7 @@ class Prepared:
     delta_s: Optional[torch.Tensor]  # fp32 [B,Hq,ceil(Nq/q_block),Nk], base-2 score units, or None
     q_group: int  # Q tokens per delta_s row
     lse_shift: Optional[torch.Tensor]  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
+    k_thread_groups: bool = False  # k_scale is constant over each per_thread group (k_granularity='per_thread')
 
 
 def prepare(
@@ -174,7 +208,8 @@ def prepare(
         delta_s = _grouped_matmul(q_mean, k_smooth.transpose(-1, -2)) * score_scale
 
     q_amax = group_amax(qf, quant.q_granularity, quant.q_block)  # step 3
-    k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block)
+    valid = valid_key_mask(kv_lens, k.shape[-2]) if kv_lens is not None else None
+    k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block, valid)
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
@@ -193,6 +228,7 @@ def prepare(
         delta_s=delta_s,
         q_group=quant.q_block,
         lse_shift=lse_shift,
+        k_thread_groups=quant.k_granularity == "per_thread",
     )
 
 
@@ -272,15 +308,19 @@ def quantized_attention_reference(
     out_dtype: torch.dtype,
     block_n: int = REFERENCE_BLOCK_N,
     attn_mask: Optional[torch.Tensor] = None,
+    k_thread_groups: bool = False,
 ):
     """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores).
 
-    ``attn_mask`` [B|1, Hq|1, Nq, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
+    ``k_thread_groups`` promises δK constant over each per_thread group (checked here; a kernel may then
+    read one δK per group). ``attn_mask`` [B|1, Hq|1, Nq, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
     SDPA's additive mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
     batch, hq, n_q, dp = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     group = hq // hkv
     dev = q.device
+    if k_thread_groups:
+        check_k_thread_groups(k_scale)
     qi = q.to(torch.int32)
     ki = k.to(torch.int32).repeat_interleave(group, dim=1)  # the oracle may copy; kernels must not
     ks = k_scale.repeat_interleave(group, dim=1)
@@ -344,7 +384,7 @@ def reference_attention(
     out, _ = quantized_attention_reference(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         p.q_group, causal, q.shape[-1], q.dtype, block_n=block_n,
-        attn_mask=kernel_mask(broadcast_mask(attn_mask, q, k)),
+        attn_mask=kernel_mask(broadcast_mask(attn_mask, q, k)), k_thread_groups=p.k_thread_groups,
     )
     return out
 

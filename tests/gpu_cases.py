@@ -62,7 +62,8 @@ def random_mask(kind, batch, hq, n_q, n_k, seed):
 
 
 def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, smooth_v=False, q_block=128,
-              kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0, mask=None):
+              kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0, mask=None,
+              k_granularity="per_token"):
     """Prepared inputs from random bf16 q/k/v (never zeros), via spec.prepare, on the GPU; ``mask`` is one
     of MASK_KINDS."""
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -70,10 +71,9 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, s
     k = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + k_bias * torch.randn(d, device=DEV, generator=g)
     v = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + 0.5
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    quant = spec.Quantization(pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block)
+    quant = spec.Quantization(pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block, k_granularity=k_granularity)
     p = spec.prepare(q, k, v, d ** -0.5, quant, kv_lens)
-    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-                      p.q_group, causal, d, out_dtype, random_mask(mask, batch, hq, n_q, n_k, seed))
+    return KernelArgs.from_prepared(p, kv_lens, causal, d, out_dtype, random_mask(mask, batch, hq, n_q, n_k, seed))
 
 
 def poisoned_outputs(args):
@@ -117,7 +117,7 @@ ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_
 ACCURACY_SHAPE = (1, 8, 4096, 128)
 
 
-def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV) -> dict:
+def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV, quant=spec.Quantization()) -> dict:
     """``run(args) -> out`` for each distribution against fp32 SDPA (math backend), beside bf16 SDPA;
     asserts ACCURACY_BOUNDS and writes $OUT/accuracy_{label}_causal{causal}.json when OUT is set."""
     results = {}
@@ -128,9 +128,8 @@ def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV) -> dict:
             ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                                    is_causal=bool(causal))
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
-        p = spec.prepare(q, k, v, ACCURACY_SHAPE[-1] ** -0.5, spec.Quantization())
-        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                          p.q_group, causal, ACCURACY_SHAPE[-1], torch.bfloat16)
+        p = spec.prepare(q, k, v, ACCURACY_SHAPE[-1] ** -0.5, quant)
+        args = KernelArgs.from_prepared(p, None, causal, ACCURACY_SHAPE[-1], torch.bfloat16)
         row = {label: accuracy_metrics(run(args), ref), "sdpa_bf16": accuracy_metrics(bf16, ref)}
         results[name] = row
         print(f"[{label} accuracy causal={causal}] {name:13s} cos={row[label]['cos']:.6f} "

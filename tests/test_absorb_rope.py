@@ -73,29 +73,32 @@ def targets(graphs):
     return [n.target for gm in graphs for n in gm.graph.nodes]
 
 
-def spec_output(q32, k32, v, causal, out_dtype):
+def spec_output(q32, k32, v, causal, out_dtype, quant=spec.Quantization()):
     """The spec on the fp32 rotary: spec.prepare + the reference kernel (what the fused path must equal)."""
-    p = spec.prepare(q32, k32, v, q32.shape[-1] ** -0.5, spec.Quantization())
+    p = spec.prepare(q32, k32, v, q32.shape[-1] ** -0.5, quant)
     out, _ = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
-                                                None, p.q_group, causal, q32.shape[-1], out_dtype)
+                                                None, p.q_group, causal, q32.shape[-1], out_dtype,
+                                                k_thread_groups=p.k_thread_groups)
     return out
 
 
 @settings(max_examples=8, deadline=None)
 @given(hkv=st.integers(1, 2), group=st.integers(1, 2), n=st.sampled_from([1, 17, 64, 100, 130]),
-       d=st.sampled_from([64, 128]), causal=st.booleans(), seed=st.integers(0, 2**16))
-def test_half_tables_form_is_absorbed_and_exact(hkv, group, n, d, causal, seed):
+       d=st.sampled_from([64, 128]), causal=st.booleans(), k_granularity=st.sampled_from(["per_token", "per_thread"]),
+       seed=st.integers(0, 2**16))
+def test_half_tables_form_is_absorbed_and_exact(hkv, group, n, d, causal, k_granularity, seed):
     g = torch.Generator().manual_seed(seed)
     xq = torch.randn(2, n, hkv * group, d, generator=g).bfloat16()
     xk, v = (torch.randn(2, n, hkv, d, generator=g).bfloat16() for _ in range(2))
     cos, sin = (t[:, None, :] for t in tables(n, d, seed=seed))
-    out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal)
+    out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity)
     assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["fused_rope_prep"] >= 1
     found = targets(graphs)
     assert torch.ops.sage.rope_attention.default in found and torch.cat not in found  # rotary nodes removed
     q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
     k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16))
+    quant = spec.Quantization(k_granularity=k_granularity)
+    assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
 
 
 def test_rotate_half_form_with_full_width_tables():

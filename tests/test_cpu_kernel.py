@@ -141,7 +141,7 @@ def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None, attn_mask=No
     return KernelArgs(
         p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., keys], p.v_scale, p.v_mean,
         None if p.delta_s is None else p.delta_s[..., keys], kv_lens, p.q_group, causal, q.shape[-1], out_dtype,
-        attn_mask,
+        attn_mask, p.k_thread_groups,
     )
 
 
@@ -212,7 +212,7 @@ def _problems(draw):
     qk = draw(st.sampled_from(["int8", "int4"]))
     quant = spec.Quantization(
         qk=qk,
-        q_granularity=draw(st.sampled_from(spec.GRANULARITIES)),
+        q_granularity=draw(st.sampled_from(spec.Q_GRANULARITIES)),
         k_granularity=draw(st.sampled_from(spec.GRANULARITIES)),
         q_block=draw(st.integers(1, 160)),
         k_block=draw(st.integers(1, 160)),

@@ -9,8 +9,7 @@ from sage_compile.kernels import KERNEL_MODULES, KernelArgs
 def _cpu_args(head_dim=64):
     q, k, v = (torch.randn(1, 2, 8, head_dim, dtype=torch.bfloat16) for _ in range(3))
     p = spec.prepare(q, k, v, head_dim ** -0.5, spec.Quantization())
-    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                      p.q_group, 0, head_dim, torch.bfloat16)
+    return KernelArgs.from_prepared(p, None, 0, head_dim, torch.bfloat16)
 
 
 def test_default_order_is_by_measured_speed():

@@ -23,6 +23,42 @@ def test_quantize_error_is_at_most_half_a_step(n, d, granularity, block, levels,
         for start in range(0, n, block):
             group = x[:, start:start + block].abs().amax(dim=(-1, -2))
             assert torch.equal(amax[:, start:start + block], group[:, None].expand(-1, min(block, n - start)))
+    if granularity == "per_thread":  # key 128b + 16G + 4t + j shares group (b, t)'s amax
+        keys = torch.arange(n)
+        group_id = keys // spec.THREAD_GROUP_KEYS * 4 + keys % 16 // 4
+        for gid in group_id.unique():
+            members = group_id == gid
+            expected = x[:, members].abs().amax(dim=(-1, -2))
+            assert torch.equal(amax[:, members], expected[:, None].expand(-1, int(members.sum())))
+
+
+@given(n=st.integers(1, 400), length=st.integers(0, 400), seed=st.integers(0, 2**16))
+def test_per_thread_k_scales_keep_their_promise_with_kv_lens(n, length, seed):
+    """Keys past kv_lens set no group's δK (their junk must not coarsen valid keys' scales) and take their
+    group's δK, so k_thread_groups' promise (one δK per group) holds; the oracle checks that promise."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 2, n, 64, generator=g) for _ in range(3))
+    k[0, :, min(length, n):] *= 1000  # junk past batch 0's length
+    lens = torch.tensor([min(length, n), n])
+    quant = spec.Quantization(k_granularity="per_thread", smooth_k=False)  # (μK's rounding depends on kv_lens)
+    p = spec.prepare(q, k, v, 0.125, quant, lens)
+    assert p.k_thread_groups
+    spec.check_k_thread_groups(p.k_scale)
+    if length > 0:
+        valid = slice(0, min(length, n))
+        clean = spec.prepare(q[:1], k[:1, :, valid], v[:1, :, valid], 0.125, quant)
+        assert torch.equal(p.k_scale[0, :, valid], clean.k_scale[0])
+    if n >= 2:  # keys 0 and 1 share a group
+        broken = p.k_scale.clone()
+        broken[..., 1] *= 2
+        with pytest.raises(ValueError, match="not constant"):
+            spec.quantized_attention_reference(p.q, p.q_scale, p.k, broken, p.v, p.v_scale, None, None, lens, 128,
+                                               0, 64, torch.float32, k_thread_groups=True)
+
+
+def test_per_thread_is_a_k_granularity_only():
+    with pytest.raises(ValueError, match="K granularity"):
+        spec.Quantization(q_granularity="per_thread")
 
 
 def test_e4m3_rounding_is_round_half_even_and_saturating():

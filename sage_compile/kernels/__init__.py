@@ -31,6 +31,14 @@ class KernelArgs:
     head_dim: int
     out_dtype: torch.dtype
     attn_mask: Optional[torch.Tensor] = None  # [B|1, Hq|1, Nq, Nk]: bool, or fp32 added to S (base 2)
+    k_thread_groups: bool = False  # k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
+
+    @classmethod
+    def from_prepared(cls, p, kv_lens, causal: int, head_dim: int, out_dtype: torch.dtype,
+                      attn_mask: Optional[torch.Tensor] = None) -> "KernelArgs":
+        """The op's inputs from a ``spec.Prepared`` (what sage.attention passes to sage.quantized_attention)."""
+        return cls(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, p.q_group,
+                   causal, head_dim, out_dtype, attn_mask, p.k_thread_groups)
 
     @property
     def device(self) -> torch.device:

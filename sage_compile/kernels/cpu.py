@@ -45,6 +45,8 @@ def supports(args: KernelArgs) -> Optional[str]:
 def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
     check_inputs(args, out, lse, "cpu")
+    if args.k_thread_groups:  # reads every key's δK, so the promise costs nothing here; check it
+        spec.check_k_thread_groups(args.k_scale)
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     _C.quantized_attention(

@@ -16,6 +16,8 @@ from triton.language.extra import libdevice
 
 from torch.library import wrap_triton
 
+from ..spec import THREAD_GROUP_KEYS
+
 # Measured with tools/prep_tune.py on the H100 (GPU time, CUDA graphs; N=16K D=128 and N=4K D=64):
 # quantize 64 tokens × 8 warps 1.53× its floor; mean 128 tokens × 2 tiles × 4 warps 1.41-1.48×.
 BLOCK_N, QUANTIZE_WARPS = 64, 8  # tokens per tile of the quantize kernel
@@ -80,8 +82,10 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                          SAME_HALVES: tl.constexpr):
-    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ."""
+                          SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr):
+    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ.
+    THREAD_GROUPS (BLOCK = 128, one key block per tile): amax over spec's per_thread groups instead — key
+    16G + 4t + j of the block is in group t."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -96,6 +100,10 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
+    if THREAD_GROUPS:  # rows past N read as zeros: they raise no group's amax
+        groups = tl.reshape(amax, (BLOCK // 16, 4, 4))  # (G, t, j)
+        group_max = tl.max(tl.max(groups, axis=2), axis=0)  # [4]: one per t
+        amax = tl.reshape(tl.broadcast_to(group_max[None, :, None], (BLOCK // 16, 4, 4)), (BLOCK,))
     delta = tl.math.div_rn(tl.maximum(amax, 1.1754943508222875e-38), 127.0)
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
     q1 = libdevice.rint(tl.math.div_rn(r1, delta[:, None]))
@@ -125,10 +133,13 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, block: int = BLOCK_N,
-                         warps: int = QUANTIZE_WARPS) -> None:
-    """x8 ← int8 rope(x) − mean, deltas ← δ per token."""
+                         warps: int = QUANTIZE_WARPS, thread_groups: bool = False) -> None:
+    """x8 ← int8 rope(x) − mean, deltas ← δ per token (thread_groups: per spec's per_thread K groups)."""
     batch, heads, n, d = x.shape
+    if thread_groups:
+        block = THREAD_GROUP_KEYS
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, block))](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
-        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves, num_warps=warps)
+        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
+        THREAD_GROUPS=thread_groups, num_warps=warps)

@@ -17,6 +17,7 @@ def run(args: KernelArgs, out, lse) -> None:
     o, l = spec.quantized_attention_reference(
         args.q, args.q_scale, args.k, args.k_scale, args.v, args.v_scale, args.v_mean, args.delta_s,
         args.kv_lens, args.q_group, args.causal, args.head_dim, args.out_dtype, attn_mask=args.attn_mask,
+        k_thread_groups=args.k_thread_groups,
     )
     out.copy_(o)
     lse.copy_(l)

@@ -39,14 +39,15 @@ def _cpu(tables):
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
        d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), kind=st.sampled_from(["half", "full"]),
-       with_mean=st.booleans(), seed=st.integers(0, 2**16))
-def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, seed):
+       with_mean=st.booleans(), thread_groups=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, thread_groups, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = _layout_x(batch, heads, n, d, g, layout)
     tables = _tables(batch, heads, n, d, g, kind)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
-    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125)
-    ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125)
+    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups)
+    ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125,
+                                                   thread_groups)
     assert x8.is_contiguous() and x8.dtype == torch.int8
     assert torch.equal(x8.cpu(), ref8), (x8.cpu().int() - ref8.int()).abs().max()
     assert torch.equal(scale.cpu(), ref_scale)
@@ -74,8 +75,8 @@ def _block(xq, xk, v, cos, sin, causal=False):
     return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=causal).transpose(1, 2)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_compiled_rotary_runs_in_the_fused_prep(causal):
+@pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_token"), (False, "per_thread")])
+def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity):
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
@@ -84,17 +85,20 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal):
     xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() for _ in range(3))
     angles = torch.rand(n, 1, d // 2, generator=g, device=DEV) * 6.3
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    compiled = sage_compile.compile(_block, config=ALWAYS, options={"force_disable_caches": True})
+    config = ALWAYS.replace(k_granularity=k_granularity)
+    compiled = sage_compile.compile(_block, config=config, options={"force_disable_caches": True})
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, xq, xk, v, cos, sin, causal)
-        generic = sage_compile.compile(_block, config=ALWAYS.replace(fuse_rope=False))(xq, xk, v, cos, sin, causal)
+        generic = sage_compile.compile(_block, config=config.replace(fuse_rope=False))(xq, xk, v, cos, sin, causal)
     code = "\n".join(codes)
     assert counters["sage"]["rope_absorbed"] == 1
     assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1  # Inductor launches our kernels
     assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
+    call = code[code.index("torch.ops.sage.quantized_attention.default("):].split("\n")[0]
+    assert call.rstrip(")").endswith("True") == (k_granularity == "per_thread"), call  # k_thread_groups
     ref = _block(*(t.float() for t in (xq, xk, v, cos, sin)), causal)
     cos_fused = F.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
     cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
-    print(f"causal={causal}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
+    print(f"causal={causal} K {k_granularity}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
     assert cos_fused > 0.999 and abs(cos_fused - cos_generic) < 1e-4

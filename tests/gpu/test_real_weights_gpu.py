@@ -75,16 +75,19 @@ def _record(key, value):
             json.dump(data, f, indent=1)
 
 
-def test_compiled_minilm_on_the_gpu_kernels_matches_fp32(minilm, monkeypatch):
+@pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
+def test_compiled_minilm_on_the_gpu_kernels_matches_fp32(minilm, monkeypatch, k_granularity):
     path, batch, reference = minilm
     used = _kernels_used(monkeypatch)
     model = _load(path)
+    torch._dynamo.utils.counters.clear()
     with torch.no_grad():
         fp32_from_fp16 = _stats(embed(_load(path, dtype=torch.float32), batch), reference)
         bf16 = _stats(embed(model, batch), reference)
-        sage = _stats(embed(sage_compile.compile(model, config=ALWAYS), batch), reference)
+        config = ALWAYS.replace(k_granularity=k_granularity)
+        sage = _stats(embed(sage_compile.compile(model, config=config), batch), reference)
     counters = dict(torch._dynamo.utils.counters["sage"])
-    _record("compiled", dict(sage=sage, bf16_sdpa=bf16, fp32_from_fp16_weights=fp32_from_fp16,
+    _record("compiled" if k_granularity == "per_token" else f"compiled_k_{k_granularity}", dict(sage=sage, bf16_sdpa=bf16, fp32_from_fp16_weights=fp32_from_fp16,
                              kernels=sorted(set(used)), counters=counters))
     assert used and set(used) <= {"triton", "sm90"}, used  # a GPU kernel ran every attention
     assert counters.get("fallbacks", 0) == 0 and counters.get("sdpa_by_threshold", 0) == 0, counters
