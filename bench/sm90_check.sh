@@ -13,23 +13,24 @@ grep -E "nvcc|WARNING" "$OUT/install.log" | grep -v "^ *$" | cut -c1-300 | tail 
 so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"; exit 1; }
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
 echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
-python -c "from sage_compile.kernels import sm90; print({(d, v): sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS))})"
+python -c "from sage_compile.kernels import sm90; print({(d, v, pt): sm90.kernel_info(d, v, pt) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)})"
 # Smoke test first: a hung kernel costs 30 s, not the whole call.
 timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
 import torch
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs, sm90
 q, k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization())
-a = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, None, None, None, 128, 0, 128, torch.bfloat16)
 out = torch.full((1, 2, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
 lse = torch.empty(1, 2, 300, device="cuda")
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-for variant in range(len(sm90.VARIANTS)):
-    out.fill_(float("nan"))
-    sm90.run(a, out, lse, variant); torch.cuda.synchronize()
-    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
-    print(f"smoke variant {variant}: cos {cos:.6f}")
+for k_granularity in ("per_token", "per_thread"):
+    p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization(k_granularity=k_granularity))
+    a = KernelArgs.from_prepared(p, None, 0, 128, torch.bfloat16)
+    for variant in range(len(sm90.VARIANTS)):
+        out.fill_(float("nan"))
+        sm90.run(a, out, lse, variant); torch.cuda.synchronize()
+        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+        print(f"smoke K {k_granularity} variant {variant}: cos {cos:.6f}")
 PY
 if [ "$mode" = test ] || [ "$mode" = all ]; then
   timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25

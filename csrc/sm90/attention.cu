@@ -260,11 +260,21 @@ struct SumOp {
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
 // max/sum, α (for the O update) and the weights P448 = 448·P̃ in `sc` (same index as the accumulator).
-template <bool Masked>
+// kThreadK: δK is one value per thread group (spec's per_thread: the thread's 32 keys 16G + 4t + j share
+// it), so S = x·(δQ·δK) takes one scale per row and block, and the per-score ×δK disappears.
+template <bool Masked, bool kThreadK>
 __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
-                                               const int (&row)[2], const float (&q_scale)[2], int n_valid,
+                                               const int (&row)[2], const float (&q_scale_in)[2], int n_valid,
                                                int causal, int causal_offset, float (&m)[2], float (&l)[2],
                                                float (&alpha)[2], float (&sc)[64]) {
+  float q_scale[2] = {q_scale_in[0], q_scale_in[1]};  // the factor from u to S (base-2 units)
+  if constexpr (kThreadK) {
+    const float ks = ks_s[4 * t];  // key 4t is in this thread's group
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) q_scale[hr] *= ks;
+#pragma unroll
+    for (int idx = 0; idx < 64; ++idx) sc[idx] = __int2float_rn(static_cast<int>(acc[idx]));  // u = x, exact
+  } else {
   // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
   // key_of_column(i, t, e); one float4 of δK serves the 4 keys 16G + 4t..4t+3 (columns i = G and G + 8).
   // The bits x + 0x4B400000 are the fp32 M + x (M = 1.5·2^23, |x| < 2^22), and u = (M + x)·δK − M·δK in
@@ -288,6 +298,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
           sc[idx] = fmaf(mx, ksv[2 * a + e], kbias[2 * a + e]);
         }
   }
+  }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     if constexpr (Masked) {
@@ -301,13 +312,15 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
           sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
         }
     }
-    // Unmasked: every score finite and δQ > 0, so max_j S = δQ·max_j u and S − m' is one FMA below.
+    // Unmasked: every score finite and the scale > 0, so max_j S = scale·max_j u and S − m' is one FMA below.
+    // The scale is applied before the quad's max: with kThreadK each of the four threads has its own.
     float mx = tree_reduce_row(sc, hr, MaxOp());
+    if constexpr (!Masked) mx *= q_scale[hr];
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     float m_new, m_safe;
     if constexpr (!Masked) {
-      m_new = fmaxf(m[hr], mx * q_scale[hr]);
+      m_new = fmaxf(m[hr], mx);
       m_safe = m_new;
     } else {
       m_new = fmaxf(m[hr], mx);
@@ -459,6 +472,7 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa
 
 // The softmax of key block k0 for rows from wg_row0 on, P̂ packed for the PV product: the masked path
 // only where a key is out of range or causally hidden for some row of the warpgroup.
+template <bool kThreadK>
 __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
                                                  int k0, int wg_row0, int n_valid, const int (&row)[2],
                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
@@ -470,9 +484,11 @@ __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t
 #endif
   float sc[64];
   if (masked) {
-    softmax_scores<true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
+    softmax_scores<true, kThreadK>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha,
+                                   sc);
   } else {
-    softmax_scores<false>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha, sc);
+    softmax_scores<false, kThreadK>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha,
+                                    sc);
   }
   pack_weights(sc, pa);
 }
@@ -530,8 +546,8 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
   };
   auto softmax = [&](uint32_t (&acc)[64], int j) {
     fence_registers(acc);
-    softmax_block_at(p, acc, k_scale_smem + (j % kStages) * kBlockN, t, j * kBlockN, wg_row0, n_valid, row, q_scale,
-                     m, l, alpha, pa);
+    softmax_block_at<false>(p, acc, k_scale_smem + (j % kStages) * kBlockN, t, j * kBlockN, wg_row0, n_valid, row,
+                            q_scale, m, l, alpha, pa);
   };
   const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
 
@@ -747,8 +763,9 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // kMaps: copies by tensor map (launch() picks this instantiation when p.tma), else by cp.async — separate
-// instantiations, so that neither carries the other's state through the loop.
-template <int D, int CtasPerSm, bool kMaps>
+// instantiations, so that neither carries the other's state through the loop. kThreadK: one δK per thread
+// group (p.k_thread_groups; built with tensor maps only — elsewhere the per-key path reads the same values).
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
   using L = SmemLayout1<D, Stages1<D, CtasPerSm>()>;
   constexpr int kStages = L::kStages;
@@ -853,7 +870,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     if (by_map && tid == 0 && j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
     wgmma_wait<0>();
     fence_registers(acc);
-    softmax_block_at(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, pa);
+    softmax_block_at<kThreadK>(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha, pa);
     float pv[kOut];
     wgmma_fence();
     issue_pv<D>(pv, pa, v_desc(j));
@@ -968,14 +985,14 @@ static void fill_tensor_maps(Params& q) {
   q.tma = 1;
 }
 
-template <int D, int CtasPerSm, bool kMaps>
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK>
 static cudaError_t launch_1wg_with(const Params& p, cudaStream_t stream) {
   static unsigned configured = 0;
   constexpr int kSmem = SmemLayout1<D, Stages1<D, CtasPerSm>()>::kDynamic;
-  cudaError_t err = allow_smem(attention_kernel_1wg<D, CtasPerSm, kMaps>, kSmem, configured);
+  cudaError_t err = allow_smem(attention_kernel_1wg<D, CtasPerSm, kMaps, kThreadK>, kSmem, configured);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
-  attention_kernel_1wg<D, CtasPerSm, kMaps><<<grid, 128, kSmem, stream>>>(p);
+  attention_kernel_1wg<D, CtasPerSm, kMaps, kThreadK><<<grid, 128, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -983,7 +1000,9 @@ template <int D, int CtasPerSm>
 static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
   Params q = p;
   fill_tensor_maps(q);
-  return q.tma ? launch_1wg_with<D, CtasPerSm, true>(q, stream) : launch_1wg_with<D, CtasPerSm, false>(q, stream);
+  if (!q.tma) return launch_1wg_with<D, CtasPerSm, false, false>(q, stream);
+  return q.k_thread_groups ? launch_1wg_with<D, CtasPerSm, true, true>(q, stream)
+                           : launch_1wg_with<D, CtasPerSm, true, false>(q, stream);
 }
 
 template <int D>
@@ -1016,28 +1035,31 @@ const char* launch(const Params& p, int64_t stream, int variant) {
 }
 
 template <int D>
-static cudaError_t attributes_for(int variant, cudaFuncAttributes* attr, int* dynamic_smem) {
+static cudaError_t attributes_for(int variant, bool thread_k, cudaFuncAttributes* attr, int* dynamic_smem) {
   if (variant == 0) {
     *dynamic_smem = SmemLayout<D>::kDynamic;
     return cudaFuncGetAttributes(attr, attention_kernel<D>);
   }
-  if (variant == 1) {  // the tensor-map instantiation (the cp.async one runs only where no map can be made)
+  // The tensor-map instantiations (the cp.async one runs only where no map can be made).
+  if (variant == 1) {
     *dynamic_smem = SmemLayout1<D, Stages1<D, 2>()>::kDynamic;
-    return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true>);
+    return thread_k ? cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true, true>)
+                    : cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true, false>);
   }
   *dynamic_smem = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
-  return cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true>);
+  return thread_k ? cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true, true>)
+                  : cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true, false>);
 }
 
-bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, int* regs, int* local_bytes, int* dynamic_smem,
                  int* max_threads) {
   if (variant < 0 || variant > 2) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {
-    err = attributes_for<128>(variant, &attr, dynamic_smem);
+    err = attributes_for<128>(variant, thread_k, &attr, dynamic_smem);
   } else if (head_dim_padded == 64) {
-    err = attributes_for<64>(variant, &attr, dynamic_smem);
+    err = attributes_for<64>(variant, thread_k, &attr, dynamic_smem);
   } else {
     return false;
   }

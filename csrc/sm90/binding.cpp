@@ -31,7 +31,7 @@ std::vector<int64_t> strides(py::object value, size_t count) {
 void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, py::int_ v, py::object v_scale,
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
                std::tuple<int, int, int, int, int, int, int, int> sizes, int causal, int causal_offset,
-               bool kv_lens_int64, int out_dtype, int64_t stream, int variant) {
+               bool kv_lens_int64, int out_dtype, int64_t stream, int variant, bool k_thread_groups) {
   Params p{};
   p.q = pointer<const int8_t>(q);
   p.q_scale = pointer<const float>(q_scale);
@@ -62,13 +62,14 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.causal_offset = causal_offset;
   p.kv_lens_int64 = kv_lens_int64 ? 1 : 0;
   p.out_dtype = out_dtype;
+  p.k_thread_groups = k_thread_groups ? 1 : 0;
   const char* err = sage_sm90::launch(p, stream, variant);
   if (err[0] != '\0') throw std::runtime_error(std::string("sage sm90 kernel launch failed: ") + err);
 }
 
-py::dict kernel_info(int head_dim_padded, int variant) {
+py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups) {
   int regs = 0, local = 0, smem = 0, threads = 0;
-  if (!sage_sm90::kernel_info(head_dim_padded, variant, &regs, &local, &smem, &threads))
+  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, &regs, &local, &smem, &threads))
     throw std::invalid_argument("sm90: no kernel for this head dim (or no CUDA device)");
   py::dict d;
   d["registers"] = regs;
@@ -85,8 +86,10 @@ PYBIND11_MODULE(_sm90, m) {
   m.def("attention", &attention, py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
         py::arg("v_scale"), py::arg("v_mean"), py::arg("kv_lens"), py::arg("out"), py::arg("lse"),
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
-        py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0);
-  m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0);
+        py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0,
+        py::arg("k_thread_groups") = false);
+  m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0,
+        py::arg("k_thread_groups") = false);
   m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas");
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;

@@ -34,6 +34,7 @@ struct Params {
   int causal_offset;  // key j visible to query i iff j <= i + causal_offset
   int kv_lens_int64;
   int out_dtype;      // OutDtype
+  int k_thread_groups;  // 1: k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
   // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
   // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows), Vᵀ (4-D:
   // key, d, head, batch) and δK (3-D: key, head, batch).
@@ -49,8 +50,8 @@ struct Params {
 const char* launch(const Params& p, int64_t stream, int variant);
 
 // Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
-// one padded head dim; false when that head dim has no kernel.
-bool kernel_info(int head_dim_padded, int variant, int* regs, int* local_bytes, int* dynamic_smem,
+// one padded head dim (thread_k: the per_thread δK instantiation); false when that head dim has no kernel.
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, int* regs, int* local_bytes, int* dynamic_smem,
                  int* max_threads);
 
 }  // namespace sage_sm90

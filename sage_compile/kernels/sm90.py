@@ -124,11 +124,13 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
-        variant=variant(dp) if launch_variant is None else launch_variant,
+        variant=variant(dp) if launch_variant is None else launch_variant, k_thread_groups=args.k_thread_groups,
     )
 
 
-def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None) -> dict:
-    """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel."""
+def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False) -> dict:
+    """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
+    (``k_thread_groups``: the instantiation for per_thread δK)."""
     chosen = variant(padded_head_dim) if launch_variant is None else launch_variant
-    return dict(_sm90.kernel_info(padded_head_dim, chosen), variant=VARIANTS[chosen])
+    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups), variant=VARIANTS[chosen],
+                k_thread_groups=k_thread_groups)

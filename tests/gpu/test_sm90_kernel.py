@@ -25,7 +25,7 @@ from gpu_cases import (  # noqa: E402
     DEV, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs,
 )
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import dispatch  # noqa: E402
+from sage_compile import dispatch, spec  # noqa: E402
 from sage_compile.kernels import triton as tk  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +72,38 @@ def cases(draw, causal):
 @given(data=st.data())
 def test_matches_oracle(variant, causal, data):
     assert_matches_oracle(make_case(**data.draw(cases(causal))), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", [0, 1, 2])
+@settings(max_examples=15)
+@given(data=st.data())
+def test_per_thread_k_scales_match_oracle(variant, causal, data):
+    """k_granularity='per_thread': the one-warpgroup kernels read one δK per thread and block (tensor-map
+    instantiation), the others every key's (the same values)."""
+    assert_matches_oracle(make_case(**data.draw(cases(causal)), k_granularity="per_thread"), variant)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("d", [64, 128])
+def test_per_thread_path_reads_one_scale_per_group(variant, d):
+    """Proof that the per_thread instantiation runs (and reads key 128b + 4t's δK for group (b, t)): with
+    the promise deliberately broken, its output is the oracle's on the representatives' δK, not on the
+    per-key δK it was given."""
+    args = make_case(2, 4, 2, 200, 1024, d, causal=0, seed=d + variant)  # Nk % 4 == 0, ≥ 128: tensor maps
+    keys = torch.arange(args.k.shape[2], device=DEV)
+    representative = keys // 128 * 128 + keys % 16 // 4 * 4
+    grouped = dataclasses.replace(args, k_scale=args.k_scale[..., representative].contiguous(), k_thread_groups=True)
+    broken = dataclasses.replace(args, k_thread_groups=True)
+    out, lse = run_sm90(broken, variant)
+    assert_close_to_oracle(grouped, out, lse, sm90.BLOCK_N, "broken promise")
+    assert rel_l1(out, run_sm90(args, variant)[0]) > 1e-2  # the per-key δK differ: so would the output
+
+
+def test_per_thread_instantiation_fits_without_spills():
+    for d in sm90.HEAD_DIMS:
+        info = sm90.kernel_info(d, k_thread_groups=True)
+        assert info["local_bytes"] == 0 and info["registers"] <= 168, info
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -175,3 +207,8 @@ def test_kernel_info_reports_resources():
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
     check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], causal, "sm90")
+
+
+def test_accuracy_vs_fp32_sdpa_per_thread_k():
+    check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], 0, "sm90_per_thread_k",
+                           quant=spec.Quantization(k_granularity="per_thread"))
