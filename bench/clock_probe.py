@@ -124,8 +124,7 @@ def main(argv=None):
     lse = torch.empty(batch, heads, n, device="cuda")
 
     def kernel_args(p):
-        return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                          p.q_group, causal, d, torch.bfloat16)
+        return KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
 
     real = kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Quantization()))
     zero = kernel_args(spec.prepare(q, torch.zeros_like(k), torch.zeros_like(v), d ** -0.5, spec.Quantization()))

@@ -110,14 +110,14 @@ def count_kernels(fn, args) -> int:
     return sum(code.count("@triton.jit") for code in codes)
 
 
-def _accuracy(compiled_sage, d):
+def _accuracy(compiled_sage, d, k_granularity="per_token"):
     rows = []
     for dist in DISTRIBUTIONS:
         for causal in (False, True):
             inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist)
             out = compiled_sage[causal](*inputs)
             ref = attention_block(*(t.float() for t in inputs), causal=causal)
-            rows.append(dict(dist=dist, causal=causal, d=d, **accuracy_metrics(out, ref)))
+            rows.append(dict(dist=dist, causal=causal, d=d, k_granularity=k_granularity, **accuracy_metrics(out, ref)))
     return rows
 
 
@@ -150,7 +150,7 @@ def _main(argv=None):
         heads = SHAPES[d]
         kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), "fp8", torch.bfloat16)
         results["sage_kernel"][f"d{d}"] = kernel  # which quantized-attention kernel these rows timed
-        compiled = {}
+        compiled, compiled_pt = {}, {}
         for causal in (bool(int(c)) for c in opts.causal.split(",")):
             block = lambda *a, c=causal: attention_block(*a, causal=c)  # noqa: E731
             # the baseline is compiled per shape (static: Inductor's best; with dynamic=True, 2.11's
@@ -159,7 +159,8 @@ def _main(argv=None):
             dynamic = not opts.static
             sage = sage_compile.compile(block, config=sage_cfg, dynamic=dynamic)
             sage_generic = sage_compile.compile(block, config=sage_cfg.replace(fuse_rope=False), dynamic=dynamic)
-            compiled[causal] = sage
+            sage_pt = sage_compile.compile(block, config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
+            compiled[causal], compiled_pt[causal] = sage, sage_pt
             prep = torch.compile(prep_only, dynamic=dynamic)
             fused = torch.compile(prep_fused, dynamic=dynamic)
             ropes = torch.compile(rope_only, dynamic=dynamic)
@@ -169,13 +170,14 @@ def _main(argv=None):
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
                 for name, fn in (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
-                                 ("prep", prep), ("prep_fused", fused), ("rope", ropes)):
+                                 ("sage_pt", sage_pt), ("prep", prep), ("prep_fused", fused), ("rope", ropes)):
                     with torch.no_grad():
                         fn(*sets[0])
                         row[f"{name}_ms"] = _bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets]))
-                for name in ("inductor", "sage", "sage_generic"):
+                for name in ("inductor", "sage", "sage_generic", "sage_pt"):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
                 row["speedup"] = row["inductor_ms"] / row["sage_ms"]
+                row["speedup_per_thread_k"] = row["inductor_ms"] / row["sage_pt_ms"]
                 row["speedup_generic_prep"] = row["inductor_ms"] / row["sage_generic_ms"]
                 row["prep_floor_ms"] = prep_floor_bytes(batch, n, heads, d) / bandwidth * 1e3
                 row["prep_two_pass_ms"] = prep_two_pass_bytes(batch, n, heads, d) / bandwidth * 1e3
@@ -186,7 +188,7 @@ def _main(argv=None):
             results["prep_kernels"][f"d{d}_causal{int(causal)}"] = count_kernels(prep, sets[0])
             results["prep_kernels"][f"d{d}_causal{int(causal)}_fused"] = count_kernels(fused, sets[0])
         if not opts.no_accuracy and {0, 1} <= {int(c) for c in opts.causal.split(",")}:
-            results["accuracy"] += _accuracy(compiled, d)
+            results["accuracy"] += _accuracy(compiled, d) + _accuracy(compiled_pt, d, "per_thread")
 
     name = "e2e_bench_static.json" if opts.static else "e2e_bench.json"
     path = os.path.join(os.environ.get("OUT") or "docs/results", name)
@@ -195,17 +197,18 @@ def _main(argv=None):
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, "
           f"copy {results['copy_bandwidth_gbs']:.0f} GB/s; prep kernels {results['prep_kernels']}; "
           f"sage kernel {results['sage_kernel']}")
-    print("TOPS end to end (sage = fused rope prep, generic = Inductor's fusion of the prep); prep ms: generic, "
-          "fused, memory floor")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'generic':>7} {'x':>5} {'x gen':>5} "
-          f"{'prep':>7} {'fused':>7} {'floor':>6} {'/floor':>6}")
+    print("TOPS end to end (sage = fused rope prep, generic = Inductor's fusion of the prep, pt = fused prep with "
+          "k_granularity='per_thread'); prep ms: generic, fused, memory floor")
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'generic':>7} {'pt':>6} {'x':>5} {'x gen':>5} "
+          f"{'x pt':>5} {'prep':>7} {'fused':>7} {'floor':>6} {'/floor':>6}")
     for r in results["rows"]:
         print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
-              f"{r['sage_generic_tops']:>7.0f} {r['speedup']:>5.2f} {r['speedup_generic_prep']:>5.2f} "
+              f"{r['sage_generic_tops']:>7.0f} {r['sage_pt_tops']:>6.0f} {r['speedup']:>5.2f} "
+              f"{r['speedup_generic_prep']:>5.2f} {r['speedup_per_thread_k']:>5.2f} "
               f"{r['prep_ms']:>7.3f} {r['prep_fused_ms']:>7.3f} {r['prep_floor_ms']:>6.3f} "
               f"{r['prep_fused_over_floor']:>6.2f}")
     for a in results["accuracy"]:
-        print(f"accuracy D{a['d']} {a['dist']:>12} causal={int(a['causal'])}: cos {a['cos']:.6f} "
+        print(f"accuracy D{a['d']} K {a['k_granularity']:>10} {a['dist']:>12} causal={int(a['causal'])}: cos {a['cos']:.6f} "
               f"relL1 {a['rel_l1']:.4f} rmse {a['rmse']:.2e}")
     return 0
 

@@ -64,8 +64,7 @@ def _make_inputs(batch, heads, n, d, seed):
 
 def _kernel_args(p, causal, d):
     from sage_compile.kernels import KernelArgs
-    return KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, None,
-                      p.q_group, causal, d, torch.bfloat16)
+    return KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
 
 
 def _outputs(batch, heads, n, d):
@@ -147,8 +146,8 @@ def main(argv=None):
     from sage_compile.kernels import triton as tk
     sm90 = _load_sm90()
 
-    info = dict(sm90_kernel=({f"{d}/v{v}": sm90.kernel_info(d, v) for d in sm90.HEAD_DIMS
-                              for v in range(len(sm90.VARIANTS))}
+    info = dict(sm90_kernel=({f"{d}/v{v}{'/per_thread_k' if pt else ''}": sm90.kernel_info(d, v, pt)
+                              for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)}
                              if sm90 else None),
                 device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
@@ -170,12 +169,14 @@ def main(argv=None):
 
     rows, sweep = [], []
     quant = spec.Quantization()
+    quant_pt = spec.Quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
             batch = max(1, TOKENS // n)
             sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
             prepared = [spec.prepare(q, k, v, d ** -0.5, quant) for q, k, v in sets]
+            prepared_pt = [spec.prepare(q, k, v, d ** -0.5, quant_pt) for q, k, v in sets] if sm90 else []
             t_prep = _bench_ms(_rotating([lambda s=s: spec.prepare(*s, d ** -0.5, quant) for s in sets]))
             out, lse = _outputs(batch, heads, n, d)
             for causal in opts.causals:
@@ -199,11 +200,14 @@ def main(argv=None):
                         t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse, v=v: sm90.run(a, o, s, v)
                                                       for a in kargs]))
                         row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
+                    kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
+                    t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
+                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9, sm90_pt_variant=sm90.variant(d))
                 if not opts.no_sdpa:
                     _time_sdpa(row, sets, causal, ops)
                 rows.append(row)
-                print(_fmt_row(row, sm90_columns(sm90) if sm90 else ()), flush=True)
-            del sets, prepared, out, lse
+                print(_fmt_row(row, printed_columns(sm90)), flush=True)
+            del sets, prepared, prepared_pt, out, lse
             torch.cuda.empty_cache()
 
     best = {}
@@ -227,7 +231,7 @@ def main(argv=None):
         for k, v in sorted(best.items()):
             print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
     print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
-    columns = sm90_columns(sm90) if sm90 else ()
+    columns = printed_columns(sm90)
     print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c[5:] or 'sm90':>8}" for c in columns)
           + f" {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} {'prep ms':>8}  config")
     for r in rows:
@@ -240,6 +244,12 @@ def sm90_columns(sm90):
     short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta"}
     names = [short.get(v, v.replace("one_warpgroup", "1wg").replace("_3ctas", "_3cta")) for v in sm90.VARIANTS]
     return tuple("sm90" + (f"_{n}" if n else "") for n in names)
+
+
+def printed_columns(sm90):
+    """The sm90 columns of the table: every launch variant, then 'sm90_pt' (the default variant on
+    per_thread δK, k_granularity='per_thread')."""
+    return sm90_columns(sm90) + ("sm90_pt",) if sm90 else ()
 
 
 def _table_config_text(tk, d, causal, long_n):
