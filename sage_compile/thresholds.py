@@ -16,9 +16,10 @@ NEVER = math.inf
 # GPU measured (the larger of the H100's and the H200's), dynamic=True, torch 2.11.0+cu130, triton 3.6.0:
 # H200 (docs/results/e2e_bench_h200.json, session 1, Triton kernel): D=128 sage/SDPA 0.85 at 8K, 1.00 at 16K,
 #   1.06 at 32K (causal 0.74, 1.05, 1.10); D=64 0.85–0.94 at 8K–32K: never ahead.
-# H100 (docs/results/e2e_bench_h100.json, session 6, fused rope prep + the sm90 kernel): D=128 0.84 at 4K,
-#   1.01 at 8K, 1.12 at 16K, 1.15 at 32K (causal 0.75, 0.91, 1.07, 1.11); D=64 0.97 at 16K, 1.00 at 32K:
-#   never ahead. 8K non-causal (1.01) is inside the run-to-run spread, so D=128 starts at 16K either way.
+# H100 (fused rope prep + the sm90 kernel): session 6 D=128 0.84 at 4K, 1.01 at 8K, 1.12 at 16K, 1.15 at
+#   32K (causal 0.75, 0.91, 1.07, 1.11); session 7 (docs/results/e2e_bench_h100.json) 0.91, 1.01, 1.10, 1.16
+#   (causal 0.76, 0.94, 1.09, 1.19); D=64 0.83-1.01, never clearly ahead. 8K non-causal (1.01 twice) is
+#   inside the run-to-run spread, so D=128 starts at 16K either way.
 MEASURED = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,
@@ -27,12 +28,25 @@ MEASURED = {
 }
 MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100.json, e2e_bench_h200.json"
 
+# k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), H100 only (session 7,
+# same e2e_bench run as above's per-token column, docs/results/e2e_bench_h100.json "sage_pt"): D=128 0.98
+# at 4K, 1.10 at 8K, 1.18 at 16K, 1.18 at 32K (causal 0.82, 0.99, 1.19, 1.31); D=64 0.89, 0.98, 1.04, 0.98
+# (causal 0.82, 0.91, 1.00, 1.09). D=64 non-causal is inside the spread at every length: never.
+MEASURED_PER_THREAD_K = {
+    (9, 128, False): 8192,
+    (9, 128, True): 16384,
+    (9, 64, False): NEVER,
+    (9, 64, True): 32768,
+}
 
-def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool) -> float:
+
+def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token") -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
-    measured sm90 table; other archs borrow sm90's entry until measured; unmeasured shapes: 0."""
+    measured sm90 table (per_thread K: its own, faster kernel); other archs borrow sm90's entry until
+    measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
+    table = MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED
     major = torch.cuda.get_device_capability(device)[0]
     key = (major, padded_head_dim, causal)
-    return MEASURED.get(key, MEASURED.get((9, padded_head_dim, causal), 0))
+    return table.get(key, table.get((9, padded_head_dim, causal), 0))

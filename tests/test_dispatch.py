@@ -46,3 +46,17 @@ def test_sm90_refuses_cpu_tensors_when_built():
     assert "CUDA" in sm90.supports(_cpu_args())
     with pytest.raises(ValueError):
         sm90.run(_cpu_args(), torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8))
+
+
+def test_thresholds_follow_the_k_granularity(monkeypatch):
+    """per_thread K runs a faster sm90 instantiation, with its own measured table; CPU never waits."""
+    from sage_compile import thresholds
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    for key in thresholds.MEASURED:
+        _, d, causal = key
+        assert thresholds.min_seq_len(cuda, d, causal) == thresholds.MEASURED[key]
+        assert thresholds.min_seq_len(cuda, d, causal, "per_thread") == thresholds.MEASURED_PER_THREAD_K[key]
+    assert thresholds.min_seq_len(cuda, 128, False, "per_thread") < thresholds.min_seq_len(cuda, 128, False)
+    assert thresholds.min_seq_len(torch.device("cpu"), 128, False, "per_thread") == 0
