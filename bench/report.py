@@ -29,18 +29,30 @@ def _kernel_table(kernel) -> list:
     return lines
 
 
-def _sm90_rows(rows) -> list:
-    """One table row per kernel_bench row: the three sm90 launch shapes, Triton, cuDNN, flash (TOPS)."""
-    cols = ("sm90", "sm90_1wg", "sm90_3cta", "triton", "cudnn", "flash")
+def _sm90_rows(rows, per_thread=False) -> list:
+    """One table row per kernel_bench row: the three sm90 launch shapes (then the default one on per_thread
+    δK), Triton, cuDNN, flash (TOPS)."""
+    cols = ("sm90", "sm90_1wg", "sm90_3cta") + (("sm90_pt",) if per_thread else ()) + ("triton", "cudnn", "flash")
     return [f"| {r['d']} | {r['causal']} | {r['n']} | " + " | ".join(f"{r.get(c + '_tops', 0):.0f}" for c in cols) + " |"
             for r in rows]
+
+
+def _sm90_per_thread_table(data, source) -> list:
+    info = data["info"]
+    return [f"### sm90 with per_thread δK (`k_granularity=\"per_thread\"`) — {info['device']}, torch {info['torch']}, "
+            f"triton {info['triton']}", "",
+            "Kernel only, one run: the three launch shapes on per-token δK, the default shape (v2) on per_thread "
+            "δK (one δK per thread and key block, folded into the exp2 FMA), Triton, cuDNN, flash. "
+            f"Source: `{source}`.", "",
+            "| D | causal | N | sm90 v0 | sm90 v1 | sm90 v2 | **sm90 v2, per_thread K** | sage Triton | SDPA cuDNN | "
+            "SDPA flash |", "|---|---|---|---|---|---|---|---|---|---|"] + _sm90_rows(data["rows"], per_thread=True)
 
 
 def _sm90_table(data) -> list:
     info = data["info"]
     lines = [f"## Native sm90 kernel vs Triton vs SDPA — {info['device']}, torch {info['torch']}, "
              f"triton {info['triton']}, cuDNN {info['cudnn']}", "",
-             f"Kernel only, same harness and run as the columns beside it ({info['timing']}). {info['note']} "
+             f"Kernel only, same harness and run as the columns beside it ({info['timing']}). {info.get('note', '')} "
              "Source: `kernel_bench_h100_sm90.json`.", "",
              "| D | causal | N | sm90 v0 (warp-specialized) | sm90 v1 (one warpgroup, 2 CTAs/SM) | "
              "sm90 v2 (one warpgroup, 3 CTAs/SM) | sage Triton | SDPA cuDNN | SDPA flash |",
@@ -69,7 +81,14 @@ def _e2e_table(e2e, title) -> list:
              f"bytes at the measured copy bandwidth ({e2e['copy_bandwidth_gbs']:.0f} GB/s). "
              f"Prep kernels: {e2e['prep_kernels']}. {e2e.get('note', '')}", ""]
     generic = "sage_generic_tops" in e2e["rows"][0]
-    if generic:  # session 3 on: the fused rope prep beside Inductor's generic fusion of the prep
+    if "sage_pt_tops" in e2e["rows"][0]:  # session 7 on: per_thread K beside per-token K
+        lines += ["| D | causal | N | inductor TOPS | sage TOPS | speed-up | sage per_thread K TOPS | speed-up | "
+                  "sage TOPS (generic prep) | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in e2e["rows"]:
+            lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
+                         f"{r['speedup']:.2f} | {r['sage_pt_tops']:.0f} | **{r['speedup_per_thread_k']:.2f}** | "
+                         f"{r['sage_generic_tops']:.0f} | {r['speedup_generic_prep']:.2f} |")
+    elif generic:  # session 3 on: the fused rope prep beside Inductor's generic fusion of the prep
         lines += ["| D | causal | N | inductor TOPS | sage TOPS (fused rope prep) | speed-up | sage TOPS (generic prep) | "
                   "speed-up | floor ms |", "|---|---|---|---|---|---|---|---|---|"]
         for r in e2e["rows"]:
@@ -84,10 +103,10 @@ def _e2e_table(e2e, title) -> list:
                          f"{r['speedup']:.2f} | {r['prep_ms']:.3f} | {r['prep_floor_ms']:.3f} | {r['prep_over_floor']:.1f} |")
     if e2e.get("accuracy"):
         lines += ["", "Accuracy vs fp32 (B=1, H=8, N=4096, same compiled function):", "",
-                  "| D | distribution | causal | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|---|"]
+                  "| D | K scales | distribution | causal | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|---|---|"]
         for a in e2e["accuracy"]:
-            lines.append(f"| {a['d']} | {a['dist']} | {int(a['causal'])} | {a['cos']:.6f} | {a['rel_l1']:.4f} | "
-                         f"{a['rmse']:.2e} |")
+            lines.append(f"| {a['d']} | {a.get('k_granularity', 'per_token')} | {a['dist']} | {int(a['causal'])} | "
+                         f"{a['cos']:.6f} | {a['rel_l1']:.4f} | {a['rmse']:.2e} |")
     return lines
 
 
@@ -96,12 +115,14 @@ def _models_table(models) -> list:
              f"bench/models.py, {models['layers']} layers each, random init, bf16; compile(backend=\"inductor\") vs "
              "backend=\"sage\" with its default measured thresholds; cosine of the model output vs eager bf16. "
              f"{models.get('note', '')}", "",
-             "| model | tokens | sites replaced | inductor ms | sage ms | speed-up | cos sage | attention share (inductor) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | tokens | sites replaced | inductor ms | sage ms | speed-up | sage per_thread K ms | speed-up | "
+             "cos sage | cos per_thread | attention share (inductor) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in models["rows"]:
+        pt = (f"{r['sage_pt_ms']:.2f} | {r['speedup_per_thread_k']:.2f}" if "sage_pt_ms" in r else "– | –")
         lines.append(f"| {r['model']} | {r['batch']}×{r['tokens']} | {r['sites_replaced']}/{r['sites']} | "
-                     f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | {r['cos_sage']:.6f} | "
-                     f"{100 * r['attn_share_inductor']:.0f}% |")
+                     f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | {pt} | {r['cos_sage']:.6f} | "
+                     f"{r.get('cos_sage_pt', float('nan')):.6f} | {100 * r['attn_share_inductor']:.0f}% |")
     return lines
 
 
@@ -154,9 +175,16 @@ def main() -> int:
                   "| D | causal | N | sm90 v0 | sm90 v1 | sm90 v2 (default) | sage Triton | SDPA cuDNN | SDPA flash |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += _sm90_rows(sm90_h200["rows"]) + [""]
+    for source in ("kernel_bench_h100_sm90_per_thread_k.json", "kernel_bench_h200_sm90_per_thread_k.json"):
+        data = _load(source)
+        if data:
+            lines += _sm90_per_thread_table(data, source) + [""]
     e2e_h100 = _load("e2e_bench_h100.json")
     if e2e_h100:
-        lines += _e2e_table(e2e_h100, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 6)") + [""]
+        lines += _e2e_table(e2e_h100, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 7)") + [""]
+    e2e_h200_sm90 = _load("e2e_bench_h200_sm90.json")
+    if e2e_h200_sm90:
+        lines += _e2e_table(e2e_h200_sm90, "End to end with the fused rope prep and the sm90 kernel, dynamic=True (session 7)") + [""]
         lines += ["Prep GPU time at N=16K, D=128, H=16 (torch.profiler, kernel records; "
                   "`prep_fused_kernels_h100.txt`, `prep_kernels_h100.txt`): fused rope prep 0.205 ms, Inductor's "
                   "fusion 0.260 ms; memory floor 0.101 ms (one read of x_q, x_k, v), 0.145 ms with the second read "
@@ -190,6 +218,8 @@ def main() -> int:
                   f"{gpu['reference']}); kernel(s): {', '.join(c['kernels'])}:", "", "| | min | mean |", "|---|---|---|",
                   f"| sage, compiled (backend=\"sage\") | {c['sage']['min']:.5f} | {c['sage']['mean']:.5f} |",
                   f"| sage, transformers AttentionInterface (eager) | {t['sage']['min']:.5f} | {t['sage']['mean']:.5f} |",
+                  *([f"| sage, compiled, `k_granularity=\"per_thread\"` | {gpu['compiled_k_per_thread']['sage']['min']:.5f} | "
+                     f"{gpu['compiled_k_per_thread']['sage']['mean']:.5f} |"] if "compiled_k_per_thread" in gpu else []),
                   f"| bf16 SDPA | {c['bf16_sdpa']['min']:.5f} | {c['bf16_sdpa']['mean']:.5f} |",
                   f"| fp32 from the fp16-packed weights | {c['fp32_from_fp16_weights']['min']:.6f} | "
                   f"{c['fp32_from_fp16_weights']['mean']:.6f} |", ""]

@@ -26,12 +26,14 @@ MEASURED = {
     (9, 64, False): NEVER,
     (9, 64, True): NEVER,
 }
-MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100.json, e2e_bench_h200.json"
+MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100.json, e2e_bench_h200*.json"
 
 # k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), H100 only (session 7,
 # same e2e_bench run as above's per-token column, docs/results/e2e_bench_h100.json "sage_pt"): D=128 0.98
 # at 4K, 1.10 at 8K, 1.18 at 16K, 1.18 at 32K (causal 0.82, 0.99, 1.19, 1.31); D=64 0.89, 0.98, 1.04, 0.98
 # (causal 0.82, 0.91, 1.00, 1.09). D=64 non-causal is inside the spread at every length: never.
+# H200 (docs/results/e2e_bench_h200_sm90.json, D=128 only): per_thread 0.97, 1.05, 1.22, 1.27 (causal 0.82,
+# 1.00, 1.18, 1.27); per-token 0.90, 0.94, 1.05, 1.15 (causal 0.77, 0.92, 1.07, 1.13) — the same thresholds.
 MEASURED_PER_THREAD_K = {
     (9, 128, False): 8192,
     (9, 128, True): 16384,

@@ -64,11 +64,17 @@ def _stats(emb, reference):
     return dict(min=cos.min().item(), mean=cos.mean().item(), per_sentence=cos.tolist())
 
 
+def _transformers_version():
+    import transformers
+    return transformers.__version__
+
+
 def _record(key, value):
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "minilm_gpu.json")
         data = json.load(open(path)) if os.path.exists(path) else dict(
-            device=torch.cuda.get_device_name(), torch=torch.__version__, sentences=len(SENTENCES),
+            device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=_transformers_version(),
+            sentences=len(SENTENCES),
             reference="fp32 embeddings of the original fp32 weights (tools/export_minilm.py, CPU)")
         data[key] = value
         with open(path, "w") as f:
