@@ -128,11 +128,17 @@ def main(argv=None):
 
     real = kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Quantization()))
     zero = kernel_args(spec.prepare(q, torch.zeros_like(k), torch.zeros_like(v), d ** -0.5, spec.Quantization()))
+    per_thread = spec.Quantization(k_granularity="per_thread")
+    real_pt = kernel_args(spec.prepare(q, k, v, d ** -0.5, per_thread))
+    zero_pt = kernel_args(spec.prepare(q, torch.zeros_like(k), torch.zeros_like(v), d ** -0.5, per_thread))
     kernels = []
     if sm90 is not None and sm90.supports(real) is None:
         for variant, name in enumerate(sm90.VARIANTS):
             for label, a in (("random", real), ("zero K,V", zero)):
                 kernels.append((f"sm90 v{variant} {name}", label, lambda a=a, v=variant: sm90.run(a, out, lse, v)))
+        default = sm90.variant(d)
+        for label, a in (("random", real_pt), ("zero K,V", zero_pt)):
+            kernels.append((f"sm90 v{default} per_thread K", label, lambda a=a: sm90.run(a, out, lse, default)))
     for label, a in (("random", real), ("zero K,V", zero)):
         kernels.append(("triton", label, lambda a=a: tk.run(a, out, lse)))
     from torch.nn.attention import SDPBackend, sdpa_kernel
