@@ -209,6 +209,8 @@ def main() -> int:
                   f"{minilm['sentences']} padded sentences, per-sentence embedding cosine vs fp32 "
                   "(tests/test_real_weights.py):", "", "| | min | mean |", "|---|---|---|",
                   f"| sage ({minilm['kernel']}) | {minilm['sage_min']:.5f} | {minilm['sage_mean']:.5f} |",
+                  *([f"| sage, `k_granularity=\"per_thread\"` | {minilm['sage_per_thread_k_min']:.5f} | "
+                     f"{minilm['sage_per_thread_k_mean']:.5f} |"] if "sage_per_thread_k_min" in minilm else []),
                   f"| bf16 SDPA | {minilm['bf16_min']:.5f} | {minilm['bf16_mean']:.5f} |", ""]
     gpu = _load("minilm_gpu_h100.json")
     if gpu:

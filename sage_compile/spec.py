@@ -96,14 +96,13 @@ def group_amax(x: torch.Tensor, granularity: str, block: int, valid: Optional[to
     token_amax = x.abs().amax(dim=-1)
     if granularity == "per_token":
         return token_amax
-    n = token_amax.shape[-1]
-    source = token_amax if valid is None else token_amax * valid[:, None, :].to(token_amax.dtype)
+    if valid is not None:
+        token_amax = token_amax * valid[:, None, :].to(token_amax.dtype)
     if granularity == "per_thread":
-        grouped = thread_group_max(source)
-    else:
-        padded = torch.nn.functional.pad(source, (0, (-n) % block))
-        grouped = padded.unflatten(-1, (-1, block)).amax(dim=-1).repeat_interleave(block, dim=-1)[..., :n]
-    return grouped
+        return thread_group_max(token_amax)
+    n = token_amax.shape[-1]
+    padded = torch.nn.functional.pad(token_amax, (0, (-n) % block))
+    return padded.unflatten(-1, (-1, block)).amax(dim=-1).repeat_interleave(block, dim=-1)[..., :n]
 
 
 def thread_group_max(x: torch.Tensor) -> torch.Tensor:
