@@ -47,6 +47,13 @@ def _bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _graph_ms(fn):
+    """GPU time of ``fn`` alone: median of do_bench_cudagraph (host launch cost out); for host-bound pieces
+    like a compiled prep, whose do_bench time is its Python/launch time."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
 def _rotating(fns):
     state = {"i": 0}
 

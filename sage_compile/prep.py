@@ -11,6 +11,7 @@ kernels on CUDA:
 * ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups)`` — rope(x) − μ, per-token amax (or per
   spec's per_thread K groups), int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
+* ``sage::v_quantize(v)`` — V's half (``prepare_v``): per-channel amax over tokens, then e4m3 V̂ᵀ.
 On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
 
 Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] and four tables c₁, s₁, c₂, s₂
@@ -48,13 +49,24 @@ def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Ten
 def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization) -> spec.Prepared:
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
-    k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
     thread_groups = quant.k_granularity == "per_thread"
+    # Order matters on the GPU: each second pass (K, V) follows its own reduction, whose last tiles are still in L2
     q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
+    k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
-    v_t, v_scale, v_mean = spec.prepare_v(v, quant)
+    v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
                          delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups)
+
+
+def prepare_v(v: torch.Tensor, quant: spec.Quantization, kv_lens: Optional[torch.Tensor] = None):
+    """``spec.prepare_v``; on CUDA, for FP8 PV without smooth_v or kv_lens at a Triton head dim, as two
+    Triton kernels (``sage::v_quantize``: δV's amax, then quantize + transpose; bit-equal to the spec)."""
+    if (v.is_cuda and HAS_TRITON and quant.pv == "fp8" and not quant.smooth_v and kv_lens is None
+            and v.dim() == 4 and v.shape[-1] in HEAD_DIMS):
+        v_t, v_scale = torch.ops.sage.v_quantize(v)
+        return v_t, v_scale, None
+    return spec.prepare_v(v, quant, kv_lens)
 
 
 def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]:
@@ -118,29 +130,50 @@ def _table_args(tables, half_shape) -> list:
     return args
 
 
+def _rope_mean_cuda(x, tables) -> torch.Tensor:
+    """Partial sums of rope(x) over token ranges (Triton), then their sum / N (torch)."""
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables))
+    return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
+
+
+def _rope_quantize_cuda(x, tables, mean, out_scale, thread_groups):
+    """``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
+    deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
+                                     mean, x8, deltas, out_scale, thread_groups=thread_groups)
+    return x8, deltas
+
+
 # The Triton ops exist only where Triton does (CUDA builds of torch ship it; without it torch would log a
 # warning at registration, and there would be no CUDA device to use them on).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
     def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
-        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
-        from .kernels import prep_triton
-
-        batch, heads, n, d = x.shape
-        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
-                                                _same_halves(tables))
-        return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
+        """CUDA: μ = token mean of rope(x), fp32 [B,H,1,D]."""
+        return _rope_mean_cuda(x, tables)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
                       out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
+        """CUDA: (int8 rope(x) − mean, δ·out_scale per token or per thread group)."""
+        return _rope_quantize_cuda(x, tables, mean, out_scale, thread_groups)
+
+    @torch.library.triton_op("sage::v_quantize", mutates_args=())
+    def v_quantize(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """CUDA: (V̂ᵀ [B,H,D,N_pad16] e4m3, δV [B,H,D]) of ``spec.prepare_v`` (FP8, no smooth_v): per-split
+        channel amax (Triton), their max (torch: exact), then δV, quantize and transpose (Triton)."""
         from .kernels import prep_triton
 
-        batch, heads, n, d = x.shape
-        x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
-        deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
-                                         mean, x8, deltas, thread_groups=thread_groups)
-        return x8, deltas * out_scale  # in torch, as the reference rounds it (fp32 × fp32)
+        batch, heads, n, d = v.shape
+        delta = torch.empty((batch, heads, d), dtype=torch.float32, device=v.device)
+        v_t = torch.empty((batch, heads, d, (n + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=v.device)
+        prep_triton.launch_v_quantize(v, prep_triton.absmax_partials(v).amax(dim=1), delta, v_t)
+        return v_t, delta

@@ -188,8 +188,11 @@ def prepare(
     quant: Quantization,
     kv_lens: Optional[torch.Tensor] = None,
     want_lse: bool = False,
+    v_prep=None,
 ) -> Prepared:
-    """Steps 1–3 and V of the spec. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D], any strides, bf16/fp16/fp32."""
+    """Steps 1–3 and V of the spec. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D], any strides, bf16/fp16/fp32.
+    ``v_prep(v, quant, kv_lens)`` computes V's half where given (the GPU passes ``prep.prepare_v``, which is
+    bit-equal to ``prepare_v`` below, the default)."""
     d = q.shape[-1]
     pad = padded_head_dim(d) - d
     levels = QK_LEVELS[quant.qk]
@@ -212,7 +215,7 @@ def prepare(
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
-    v_t, v_scale, v_mean = prepare_v(v, quant, kv_lens)
+    v_t, v_scale, v_mean = (v_prep or prepare_v)(v, quant, kv_lens)
     lse_shift = None
     if want_lse:
         lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale

@@ -27,10 +27,53 @@ floor_q = (x.numel() * 3 + scales.numel() * 4) / bandwidth * 1e3
 floor_s = x.numel() * 2 / bandwidth * 1e3
 print(f"{torch.cuda.get_device_name()} B={batch} H={heads} N={n} D={d}; floors: quantize {floor_q:.4f} ms, sum {floor_s:.4f} ms")
 for block, warps in itertools.product((32, 64, 128), (2, 4, 8)):
-    ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales, block, warps),
+    ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales, block=block, warps=warps),
                                            rep=100, return_mode="median")
     print(f"quantize block {block:4d} warps {warps}: {ms:.4f} ms ({ms / floor_q:.2f}x floor)")
 for block, tiles, warps in itertools.product((64, 128), (2, 4, 8), (4, 8)):
     ms = triton.testing.do_bench_cudagraph(lambda: pt.rope_partial_sums(x, args, True, block, tiles, warps),
                                            rep=100, return_mode="median")
     print(f"sum block {block:4d} tiles {tiles} warps {warps}: {ms:.4f} ms ({ms / floor_s:.2f}x floor)")
+
+# V's prep: channel amax partials, then quantize + transpose (sage::v_quantize's two kernels)
+v = torch.randn(batch, n, heads, d, device="cuda").bfloat16().transpose(1, 2)
+amax = torch.rand(batch * heads, d, device="cuda") * 4 + 0.01
+delta = torch.empty_like(amax)
+v_t = torch.empty(batch, heads, d, (n + 15) // 16 * 16, dtype=torch.float8_e4m3fn, device="cuda")
+floor_vq = (v.numel() * 3) / bandwidth * 1e3
+print(f"V floors: amax {floor_s:.4f} ms (one read), quantize {floor_vq:.4f} ms (read + e4m3 write)")
+for block, warps in itertools.product((64, 128, 256), (4, 8)):
+    ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_v_quantize(v, amax, delta, v_t, block, warps),
+                                           rep=100, return_mode="median")
+    print(f"v quantize block {block:4d} warps {warps}: {ms:.4f} ms ({ms / floor_vq:.2f}x floor)")
+for block, tiles, warps in itertools.product((64, 128), (2, 4), (4, 8)):
+    ms = triton.testing.do_bench_cudagraph(lambda: pt.absmax_partials(v, block, tiles, warps),
+                                           rep=100, return_mode="median")
+    print(f"v amax block {block:4d} tiles {tiles} warps {warps}: {ms:.4f} ms ({ms / floor_s:.2f}x floor)")
+# The second pass runs backwards: after the reduction its first tiles are still in L2. Pair vs parts:
+t_amax = triton.testing.do_bench_cudagraph(lambda: pt.absmax_partials(v), rep=100, return_mode="median")
+t_quant = triton.testing.do_bench_cudagraph(lambda: pt.launch_v_quantize(v, amax, delta, v_t), rep=100, return_mode="median")
+t_pair = triton.testing.do_bench_cudagraph(lambda: (pt.absmax_partials(v), pt.launch_v_quantize(v, amax, delta, v_t)),
+                                           rep=100, return_mode="median")
+print(f"v amax {t_amax:.4f} + quantize {t_quant:.4f} = {t_amax + t_quant:.4f} ms apart; {t_pair:.4f} ms in sequence "
+      f"(two-pass floor {(floor_s + floor_vq):.4f}, one-pass floor {floor_vq:.4f})")
+t_mean = triton.testing.do_bench_cudagraph(lambda: pt.rope_partial_sums(x, args, True), rep=100, return_mode="median")
+t_kq = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales),
+                                         rep=100, return_mode="median")
+t_kpair = triton.testing.do_bench_cudagraph(
+    lambda: (pt.rope_partial_sums(x, args, True), pt.launch_rope_quantize(x, args, True, mean, x8, scales)),
+    rep=100, return_mode="median")
+print(f"k mean {t_mean:.4f} + quantize {t_kq:.4f} = {t_mean + t_kq:.4f} ms apart; {t_kpair:.4f} ms in sequence")
+# One pass (persistent: reduce, then quantize LAG rounds behind from L2) against the two kernels above
+for slack in (1, 2, 4, 8):
+    pt.ONE_PASS_SLACK = slack
+    t_k1 = triton.testing.do_bench_cudagraph(lambda: pt.rope_one_pass(x, args, True, 1.0, False), rep=100,
+                                             return_mode="median")
+    t_v1 = triton.testing.do_bench_cudagraph(lambda: pt.v_one_pass(v, delta, v_t), rep=100, return_mode="median")
+    print(f"one pass, slack {slack}: k {t_k1:.4f} ms, v {t_v1:.4f} ms")
+pt.ONE_PASS_SLACK = 2
+t_k1 = triton.testing.do_bench_cudagraph(lambda: pt.rope_one_pass(x, args, True, 1.0, False), rep=100,
+                                         return_mode="median")
+t_v1 = triton.testing.do_bench_cudagraph(lambda: pt.v_one_pass(v, delta, v_t), rep=100, return_mode="median")
+print(f"one pass: k {t_k1:.4f} ms ({t_k1 / floor_q:.2f}x the one-read floor; two kernels {t_kpair:.4f}), "
+      f"v {t_v1:.4f} ms ({t_v1 / floor_vq:.2f}x; two kernels {t_pair:.4f})")

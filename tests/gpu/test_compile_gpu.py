@@ -113,3 +113,21 @@ def test_masked_attention_runs_in_the_triton_kernel():
                                                attn_mask=mask if mask.dtype == torch.bool else mask.float())
         assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
         assert _cos(out, exact) > 0.999
+
+
+@pytest.mark.parametrize("path", ["compiled", "eager"])
+def test_all_zero_channels_and_rows_stay_finite(path):
+    """A dead V channel (δV = tiny/448: subnormal) and a head whose keys are all equal (k − μK = 0: δK
+    subnormal). A GPU division that flushes subnormals makes these 0/0 = NaN; the spec gives exact zeros."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 1024, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
+    v[..., 5] = 0
+    k[:, 0] = k[:, 0, :1]
+    if path == "compiled":
+        attend = sage_compile.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), config=ALWAYS)
+        out = attend(q, k, v)
+    else:
+        out = sage_compile.sage_attention(q, k, v, config=ALWAYS)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert torch.isfinite(out).all() and (out[..., 5] == 0).all()
+    assert _cos(out, exact) > 0.999

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sage_compile
-from sage_compile import SageConfig, prep
+from sage_compile import SageConfig, prep, spec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -45,6 +45,8 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     x = _layout_x(batch, heads, n, d, g, layout)
     tables = _tables(batch, heads, n, d, g, kind)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
+    if with_mean and n == 1:  # μ = the only token: an all-zero row, whose δ = tiny/127 is subnormal
+        mean = prep.rope_reference(x, tables).float().contiguous()
     x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups)
     ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125,
                                                    thread_groups)
@@ -65,6 +67,23 @@ def test_rope_mean_matches_reference(batch, heads, n, d, kind, seed):
     r = prep.rope_reference(x.cpu().double(), [t.cpu().double() for t in tables])
     bound = 1e-4 * r.abs().mean(dim=-2, keepdim=True) + 1e-30
     assert mean.shape == (batch, heads, 1, d) and ((mean.cpu().double() - r.mean(dim=-2, keepdim=True)).abs() <= bound).all()
+
+
+@settings(max_examples=16, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 15, 16, 17, 129, 1000, 5000]),
+       d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), dtype=st.sampled_from(["bf16", "fp16"]),
+       seed=st.integers(0, 2**16))
+def test_v_quantize_equals_spec(batch, heads, n, d, layout, dtype, seed):
+    """sage::v_quantize is spec.prepare_v (FP8 PV): the same bytes of V̂ᵀ (padding keys zero) and δV."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    v = _layout_x(batch, heads, n, d, g, layout).to(torch.float16 if dtype == "fp16" else torch.bfloat16)
+    v[..., 0, :] *= 40  # one outlier token sets δV of every channel
+    v[..., 1] = 0  # an all-zero channel: δV = tiny/448 is subnormal (flushed to zero it made 0/0 = NaN)
+    v_t, v_scale, v_mean = prep.prepare_v(v, spec.Quantization())
+    ref_t, ref_scale, _ = spec.prepare_v(v.cpu(), spec.Quantization())
+    assert v_mean is None and v_t.dtype == torch.float8_e4m3fn and v_t.shape == ref_t.shape and v_t.is_contiguous()
+    assert torch.equal(v_t.cpu().view(torch.uint8), ref_t.view(torch.uint8))
+    assert torch.equal(v_scale.cpu(), ref_scale)
 
 
 def _block(xq, xk, v, cos, sin, causal=False):
@@ -89,11 +108,16 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity):
     compiled = sage_compile.compile(_block, config=config, options={"force_disable_caches": True})
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, xq, xk, v, cos, sin, causal)
-        generic = sage_compile.compile(_block, config=config.replace(fuse_rope=False))(xq, xk, v, cos, sin, causal)
+        generic_compiled = sage_compile.compile(_block, config=config.replace(fuse_rope=False))
+        generic, generic_codes = run_and_get_code(generic_compiled, xq, xk, v, cos, sin, causal)
     code = "\n".join(codes)
+    generic_code = "\n".join(generic_codes)  # Inductor's fusion of the Q/K prep, our V kernels
+    assert "_rope_quantize_kernel" not in generic_code and "async_compile.triton('_v_quantize_kernel'" in generic_code
     assert counters["sage"]["rope_absorbed"] == 1
     assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1  # Inductor launches our kernels
     assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
+    assert code.count("async_compile.triton('_v_quantize_kernel'") == 1  # V's prep in our kernels too
+    assert code.count("async_compile.triton('_absmax_sum_kernel'") == 1
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
     call = code[code.index("torch.ops.sage.quantized_attention.default("):].split("\n")[0]
     assert call.rstrip(")").endswith("True") == (k_granularity == "per_thread"), call  # k_thread_groups
