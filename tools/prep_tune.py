@@ -64,16 +64,12 @@ t_kpair = triton.testing.do_bench_cudagraph(
     lambda: (pt.rope_partial_sums(x, args, True), pt.launch_rope_quantize(x, args, True, mean, x8, scales)),
     rep=100, return_mode="median")
 print(f"k mean {t_mean:.4f} + quantize {t_kq:.4f} = {t_mean + t_kq:.4f} ms apart; {t_kpair:.4f} ms in sequence")
-# One pass (persistent: reduce, then quantize LAG rounds behind from L2) against the two kernels above
-for slack in (1, 2, 4, 8):
-    pt.ONE_PASS_SLACK = slack
-    t_k1 = triton.testing.do_bench_cudagraph(lambda: pt.rope_one_pass(x, args, True, 1.0, False), rep=100,
-                                             return_mode="median")
-    t_v1 = triton.testing.do_bench_cudagraph(lambda: pt.v_one_pass(v, delta, v_t), rep=100, return_mode="median")
-    print(f"one pass, slack {slack}: k {t_k1:.4f} ms, v {t_v1:.4f} ms")
-pt.ONE_PASS_SLACK = 2
-t_k1 = triton.testing.do_bench_cudagraph(lambda: pt.rope_one_pass(x, args, True, 1.0, False), rep=100,
-                                         return_mode="median")
-t_v1 = triton.testing.do_bench_cudagraph(lambda: pt.v_one_pass(v, delta, v_t), rep=100, return_mode="median")
-print(f"one pass: k {t_k1:.4f} ms ({t_k1 / floor_q:.2f}x the one-read floor; two kernels {t_kpair:.4f}), "
-      f"v {t_v1:.4f} ms ({t_v1 / floor_vq:.2f}x; two kernels {t_pair:.4f})")
+# V's prep as Inductor fuses spec.prepare_v beside sage::v_quantize (each alone, CUDA graphs)
+from sage_compile import spec  # noqa: E402
+
+quant = spec.Quantization()
+inductor_v = torch.compile(lambda t: spec.prepare_v(t, quant)[:2], dynamic=False)
+t_ind = triton.testing.do_bench_cudagraph(lambda: inductor_v(v), rep=100, return_mode="median")
+t_op = triton.testing.do_bench_cudagraph(lambda: prep.prepare_v(v, quant), rep=100, return_mode="median")
+print(f"V prep: Inductor's fusion of spec.prepare_v {t_ind:.4f} ms, sage::v_quantize {t_op:.4f} ms "
+      f"(two-pass floor {(floor_s + floor_vq):.4f})")
