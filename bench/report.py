@@ -101,6 +101,14 @@ def _e2e_table(e2e, title) -> list:
         for r in e2e["rows"]:
             lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
                          f"{r['speedup']:.2f} | {r['prep_ms']:.3f} | {r['prep_floor_ms']:.3f} | {r['prep_over_floor']:.1f} |")
+    if "prep_fused_graph_ms" in e2e["rows"][0]:  # session 8 on: the preps' GPU time (CUDA graphs)
+        lines += ["", "Prep GPU time alone (do_bench_cudagraph), ms:", "",
+                  "| D | causal | N | Inductor's prep fusion | fused rope prep | rope alone | floor | fused / floor |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in e2e["rows"]:
+            lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['prep_graph_ms']:.3f} | "
+                         f"{r['prep_fused_graph_ms']:.3f} | {r['rope_graph_ms']:.3f} | {r['prep_floor_ms']:.3f} | "
+                         f"{r['prep_fused_graph_over_floor']:.2f} |")
     if e2e.get("accuracy"):
         lines += ["", "Accuracy vs fp32 (B=1, H=8, N=4096, same compiled function):", "",
                   "| D | K scales | distribution | causal | cosine | rel. L1 | RMSE |", "|---|---|---|---|---|---|---|"]
@@ -189,6 +197,11 @@ def main() -> int:
                   "`prep_fused_kernels_h100.txt`, `prep_kernels_h100.txt`): fused rope prep 0.205 ms, Inductor's "
                   "fusion 0.260 ms; memory floor 0.101 ms (one read of x_q, x_k, v), 0.145 ms with the second read "
                   "of k and v that μK and δV need. Kernel tile sizes: `prep_tune_h100.txt`.", ""]
+    for source, title in (("e2e_bench_h100_prep_s8.json", "End to end, session 8 (V prep in Triton)"),
+                          ("e2e_bench_h100_prep_s8_inductor_v.json", "End to end, session 8 (V prep by Inductor: A/B)")):
+        data = _load(source)
+        if data:
+            lines += _e2e_table(data, title) + ["", "More prep figures: `prep_h100_s8.md`.", ""]
     if e2e:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:

@@ -50,7 +50,8 @@ def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quanti
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
     thread_groups = quant.k_granularity == "per_thread"
-    # Order matters on the GPU: each second pass (K, V) follows its own reduction, whose last tiles are still in L2
+    # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
+    # does the same); Q first, so nothing runs between the two (not A/B'd against forward order)
     q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
     k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
@@ -130,41 +131,32 @@ def _table_args(tables, half_shape) -> list:
     return args
 
 
-def _rope_mean_cuda(x, tables) -> torch.Tensor:
-    """Partial sums of rope(x) over token ranges (Triton), then their sum / N (torch)."""
-    from .kernels import prep_triton
-
-    batch, heads, n, d = x.shape
-    partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables))
-    return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
-
-
-def _rope_quantize_cuda(x, tables, mean, out_scale, thread_groups):
-    """``rope_quantize_reference`` in one Triton kernel (int8 out contiguous)."""
-    from .kernels import prep_triton
-
-    batch, heads, n, d = x.shape
-    x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
-    deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
-                                     mean, x8, deltas, out_scale, thread_groups=thread_groups)
-    return x8, deltas
-
-
 # The Triton ops exist only where Triton does (CUDA builds of torch ship it; without it torch would log a
 # warning at registration, and there would be no CUDA device to use them on).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
     def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
-        """CUDA: μ = token mean of rope(x), fp32 [B,H,1,D]."""
-        return _rope_mean_cuda(x, tables)
+        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
+        from .kernels import prep_triton
+
+        batch, heads, n, d = x.shape
+        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
+                                                _same_halves(tables))
+        return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
                       out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """CUDA: (int8 rope(x) − mean, δ·out_scale per token or per thread group)."""
-        return _rope_quantize_cuda(x, tables, mean, out_scale, thread_groups)
+        """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
+        from .kernels import prep_triton
+
+        batch, heads, n, d = x.shape
+        x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
+        deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
+                                         mean, x8, deltas, out_scale, thread_groups=thread_groups)
+        return x8, deltas
 
     @torch.library.triton_op("sage::v_quantize", mutates_args=())
     def v_quantize(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -107,8 +107,9 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """int8 rope(x) − μ per token and δ·OUT_SCALE (a constexpr: one compile per softmax scale); THREAD_GROUPS
-    (BLOCK = 128, one key block per tile): δ per spec's per_thread groups — key 16G + 4t + j is in group t."""
+    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ·OUT_SCALE
+    (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 128, one key block per tile): amax over
+    spec's per_thread groups instead — key 16G + 4t + j of the block is in group t."""
     bh, tile = _second_pass_program()
     b = bh // H
     h = bh % H
@@ -122,14 +123,6 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
-    _quantize_store(r1, r2, bh, rows, cols, row_ok, N, out_ptr, scale_ptr, HALF, BLOCK, THREAD_GROUPS, OUT_SCALE)
-
-
-@triton.jit
-def _quantize_store(r1, r2, bh, rows, cols, row_ok, N, out_ptr, scale_ptr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                    THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """Store int8 (r₁, r₂) per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and
-    δ·OUT_SCALE; THREAD_GROUPS: amax over spec's per_thread groups (BLOCK = 128 = one key block)."""
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
     if THREAD_GROUPS:  # rows past N read as zeros: they raise no group's amax
         groups = tl.reshape(amax, (BLOCK // 16, 4, 4))  # (G, t, j)
@@ -141,7 +134,6 @@ def _quantize_store(r1, r2, bh, rows, cols, row_ok, N, out_ptr, scale_ptr, HALF:
     q2 = libdevice.rint(_div_rn(r2, delta[:, None]))
     q1 = tl.minimum(tl.maximum(q1, -127.0), 127.0).to(tl.int8)
     q2 = tl.minimum(tl.maximum(q2, -127.0), 127.0).to(tl.int8)
-    mask = row_ok[:, None]
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
     tl.store(out, q1, mask=mask)
     tl.store(out + HALF, q2, mask=mask)
@@ -183,12 +175,6 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
     delta = _div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full([D], 448.0, tl.float32))
     if tile == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
-    _v_store(x, delta, bh, rows, cols, N_PAD, out_ptr, D)
-
-
-@triton.jit
-def _v_store(x, delta, bh, rows, cols, N_PAD, out_ptr, D: tl.constexpr):
-    """V̂ᵀ[bh, :, rows] = e4m3(clamp(x/δV, ±448)), stored transposed (rows past N hold zeros in x)."""
     y = _div_rn(x, delta[None, :])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
     tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None], y, mask=(rows < N_PAD)[:, None])
