@@ -120,11 +120,11 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
     r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                         c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
                             SAME_HALVES)
-    if HAS_MEAN:
-        r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
-        r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
+    if HAS_MEAN:  # rows past N stay zero (not −μ): they must raise no per_thread group's amax
+        r1 = tl.where(mask, r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :], 0.0)
+        r2 = tl.where(mask, r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :], 0.0)
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
-    if THREAD_GROUPS:  # rows past N read as zeros: they raise no group's amax
+    if THREAD_GROUPS:  # rows past N are zeros: they raise no group's amax
         groups = tl.reshape(amax, (BLOCK // 16, 4, 4))  # (G, t, j)
         group_max = tl.max(tl.max(groups, axis=2), axis=0)  # [4]: one per t
         amax = tl.reshape(tl.broadcast_to(group_max[None, :, None], (BLOCK // 16, 4, 4)), (BLOCK,))
