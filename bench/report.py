@@ -202,6 +202,18 @@ def main() -> int:
         data = _load(source)
         if data:
             lines += _e2e_table(data, title) + ["", "More prep figures: `prep_h100_s8.md`.", ""]
+    short_n = _load("sm90_short_n_h100_s9.json")
+    if short_n:
+        lines += [f"## sm90 kernel at short N — {short_n['device']}, torch {short_n['torch']} (session 9)", "",
+                  f"`{short_n['script']}`: {short_n['kernel']}. More CTAs at the same N do not help; fewer key blocks "
+                  f"per CTA do hurt — a fixed cost per CTA of ~{short_n['fit']['x_over_t_block']} key blocks "
+                  f"({short_n['fit']['model']}).", "", "| N | B | CTAs | key blocks per CTA | TOPS (3 runs) |",
+                  "|---|---|---|---|---|"]
+        for r in short_n["rows"]:
+            lines.append(f"| {r['n']} | {r['batch']} | {r['ctas']} | {r['key_blocks_per_cta']} | "
+                         f"{' / '.join(str(t) for t in r['tops_runs'])} |")
+        lines += ["", "Prep experiments of session 9 (one launch; one kernel in two launches; both slower than the "
+                      "five kernels): `prep_h100_s9.md`.", ""]
     if e2e:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:
