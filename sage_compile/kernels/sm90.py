@@ -130,7 +130,8 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
 
 def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
-    (``k_thread_groups``: the instantiation for per_thread δK)."""
+    (``k_thread_groups``: the instantiation for per_thread δK; variants 1 and 2: the instantiation with the
+    pair epilogue, which bf16 outputs with a contiguous, unpadded head dim take)."""
     chosen = variant(padded_head_dim) if launch_variant is None else launch_variant
     return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups), variant=VARIANTS[chosen],
                 k_thread_groups=k_thread_groups)

@@ -140,6 +140,22 @@ def test_agrees_with_triton_kernel(causal):
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d", [64, 128])
+def test_pair_epilogue_equals_elementwise(variant, d):
+    """bf16 output with a contiguous head dim takes the pair epilogue (one δV/μV load and one bf16x2 store per
+    two elements); the same output with a strided head dim the element-wise one. Same values, bit for bit."""
+    args = make_case(2, 4, 2, 200, 300, d, smooth_v=True, seed=21 + d)
+    paired, paired_lse = run_sm90(args, variant)
+    batch, hq, n_q, _ = args.q.shape
+    strided = torch.full((batch, hq, d, n_q), math.nan, dtype=torch.bfloat16, device=DEV).transpose(2, 3)
+    lse = torch.full((batch, hq, n_q), math.nan, device=DEV)
+    sm90.run(args, strided, lse, launch_variant=variant)
+    torch.cuda.synchronize()
+    assert strided.stride(-1) != 1
+    assert torch.equal(paired, strided) and torch.equal(paired_lse, lse)
+
+
 def test_no_keys_and_empty_rows():
     kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
     out, lse = run_sm90(make_case(2, 2, 1, 33, 40, 64, smooth_v=True, kv_lens=kv_lens))
@@ -193,7 +209,8 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
 
 def test_kernel_info_reports_resources():
     """Every launch shape fits the register file; D=64's default never spills; D=128's default (three CTAs
-    per SM, 168 registers) spills a few O registers — bounded here so that growth is noticed."""
+    per SM, 168 registers, per-key δK; the bf16 pair-epilogue instantiation kernel_info reports) spills a few
+    O registers — bounded here so that growth is noticed."""
     for d in sm90.HEAD_DIMS:
         info = sm90.kernel_info(d)
         assert info["variant"] == sm90.VARIANTS[sm90.DEFAULT_VARIANT[d]]
