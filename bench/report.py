@@ -11,6 +11,22 @@ import sys
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results")
 
 
+def _builds_table(name, title) -> list:
+    """tools/ab/sm90_builds.py: two builds of the sm90 kernel side by side (TOPS), with cuDNN."""
+    data = _load(name)
+    if not data:
+        return []
+    kernels = data["kernels"] + ["cudnn"]
+    lines = [f"## {title} — {data['device']}, torch {data['torch']}", "",
+             f"`{name}` (tools/ab/sm90_builds.py; old = the previous commit's build, same process, calls interleaved). "
+             "TOPS:", "", "| D | causal | K | N | " + " | ".join(kernels) + " | new = old bit for bit |",
+             "|---|---|---|---|" + "---|" * (len(kernels) + 1)]
+    for r in data["rows"]:
+        lines.append(f"| {r['d']} | {r['causal']} | {r['k_granularity']} | {r['n']} | "
+                     + " | ".join(f"{r['tops'][k]:.0f}" for k in kernels) + f" | {all(r['bit_equal_to_old'])} |")
+    return lines + [""]
+
+
 def _load(name):
     path = os.path.join(RESULTS, name)
     return json.load(open(path)) if os.path.exists(path) else None
@@ -214,6 +230,13 @@ def main() -> int:
                          f"{' / '.join(str(t) for t in r['tops_runs'])} |")
         lines += ["", "Prep experiments of session 9 (one launch; one kernel in two launches; both slower than the "
                       "five kernels): `prep_h100_s9.md`.", ""]
+    lines += _builds_table("sm90_epilogue_ab_h100_s10.json", "sm90 pair epilogue (session 10): the short-N fixed cost")
+    lines += _builds_table("sm90_persistent_ab_h100_s10.json",
+                           "sm90 on a persistent grid, copies streamed across tiles (session 10, not kept)")
+    e2e_s10 = _load("e2e_bench_h200_s10.json")
+    if e2e_s10:
+        lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
+            "", "The H100 run of the same command: `e2e_bench_h100_s10.md`.", ""]
     if e2e:
         lines += _e2e_table(e2e, "End to end, dynamic=True (one compile for all N)") + [""]
     if static:

@@ -20,13 +20,17 @@ NEVER = math.inf
 #   32K (causal 0.75, 0.91, 1.07, 1.11); session 7 (docs/results/e2e_bench_h100.json) 0.91, 1.01, 1.10, 1.16
 #   (causal 0.76, 0.94, 1.09, 1.19); D=64 0.83-1.01, never clearly ahead. 8K non-causal (1.01 twice) is
 #   inside the run-to-run spread, so D=128 starts at 16K either way.
+# Session 10, after the sm90 pair epilogue (short-N fixed cost cut; docs/results/e2e_bench_h100_s10.md,
+#   e2e_bench_h200_s10.json), D=128 per-token 2K/4K/8K/16K/32K: H100 0.84, 0.97, 1.05, 1.11, 1.13 (causal 0.78,
+#   0.88, 1.03, 1.06, 1.14); H200 0.86, 0.96, 1.03, 1.13, 1.16 (causal 0.80, 0.91, 1.05, 1.15, 1.16). 8K is now
+#   ahead on both GPUs (≥1.03) in both alignments: D=128 starts at 8K. D=64 not re-measured.
 MEASURED = {
-    (9, 128, False): 16384,
-    (9, 128, True): 16384,
+    (9, 128, False): 8192,
+    (9, 128, True): 8192,
     (9, 64, False): NEVER,
     (9, 64, True): NEVER,
 }
-MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100.json, e2e_bench_h200*.json"
+MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100* and e2e_bench_h200*"
 
 # k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), H100 only (session 7,
 # same e2e_bench run as above's per-token column, docs/results/e2e_bench_h100.json "sage_pt"): D=128 0.98
@@ -34,9 +38,12 @@ MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100.json, e2e_bench
 # (causal 0.82, 0.91, 1.00, 1.09). D=64 non-causal is inside the spread at every length: never.
 # H200 (docs/results/e2e_bench_h200_sm90.json, D=128 only): per_thread 0.97, 1.05, 1.22, 1.27 (causal 0.82,
 # 1.00, 1.18, 1.27); per-token 0.90, 0.94, 1.05, 1.15 (causal 0.77, 0.92, 1.07, 1.13) — the same thresholds.
+# Session 10 (pair epilogue; same runs as above), per_thread D=128 2K/4K/8K/16K/32K: H100 0.66, 1.10, 1.17,
+# 1.23, 1.20 (causal 0.81, 0.95, 1.15, 1.16, 1.27); H200 0.91, 1.07, 1.16, 1.26, 1.32 (causal 0.54, 0.98, 1.17,
+# 1.21, 1.31): non-causal from 4K, causal from 8K.
 MEASURED_PER_THREAD_K = {
-    (9, 128, False): 8192,
-    (9, 128, True): 16384,
+    (9, 128, False): 4096,
+    (9, 128, True): 8192,
     (9, 64, False): NEVER,
     (9, 64, True): 32768,
 }
