@@ -357,15 +357,6 @@ __device__ __forceinline__ void pack_weights(const float (&sc)[64], uint32_t (&p
     }
 }
 
-// Epilogue of a consumer thread's two rows: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
-// The thread's head-dim elements come in adjacent pairs (d = 8i + 2t + {0, 1}). kPairs (bf16 out and
-// p.pair_epilogue: contiguous, unpadded, aligned): each pair is one δV (and μV) load and one bf16x2 store from
-// one row pointer per row. Otherwise (padding, strides, alignment, fp16/fp32 out) one element at a time,
-// the output type and the bounds checked per element: ~30 instructions and a dependent load each, ~2000 per
-// warp and tile at D=128 — most of the fixed cost per tile that ncu showed at short N (session 10: ~2500
-// instructions per warp per tile outside the key-block loop, at 2K and 16K keys). Two instantiations, not a
-// run-time branch: with both paths in one kernel the D=128 three-CTA per_thread kernel spilled O registers
-// inside its loop.
 // One row's normaliser and log-sum-exp (thread t == 0 writes the lse).
 __device__ __forceinline__ float row_normaliser(const Params& p, float l, float m, int row, int t, int b, int h,
                                                 bool& has_keys) {
@@ -378,59 +369,60 @@ __device__ __forceinline__ float row_normaliser(const Params& p, float l, float 
   return has_keys ? 1.f / lsum : 0.f;
 }
 
+// Epilogue of a consumer thread's two rows: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
+// The thread's head-dim elements come in adjacent pairs (d = 8i + 2t + {0, 1}). kPairs (bf16 out and
+// pairs_aligned: contiguous, unpadded, aligned): each pair is one δV (and μV) load and one bf16x2 store from
+// one row pointer per row. Otherwise (padding, strides, alignment, fp16/fp32 out) one element at a time,
+// the output type and the bounds checked per element: ~30 instructions and a dependent load each, ~2000 per
+// warp and tile at D=128 — most of the fixed cost per tile that ncu showed at short N (session 10: ~2500
+// instructions per warp per tile outside the key-block loop, at 2K and 16K keys). Two instantiations, not a
+// run-time branch: with both paths in one kernel the D=128 three-CTA per_thread kernel spilled O registers
+// inside its loop.
 template <int D, bool kPairs = false>
 __device__ __forceinline__ void store_output(const Params& p, const float (&o)[D / 2], const float (&m)[2],
                                              const float (&l)[2], const int (&row)[2], int t, int b, int h,
                                              int hk) {
   const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
   const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
-  if constexpr (kPairs) {  // bf16 out, p.pair_epilogue
-    vs_g += 2 * t;
-    if (vm_g != nullptr) vm_g += 2 * t;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      bool has_keys;
-      const float inv = row_normaliser(p, l[hr], m[hr], row[hr], t, b, h, has_keys);
-      if (row[hr] >= p.nq) continue;
-      __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + (b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn) + 2 * t;
-      const bool add_mean = vm_g != nullptr && has_keys;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        const float2 vs = __ldg(reinterpret_cast<const float2*>(vs_g + 8 * i));
-        float v0 = o[4 * i + 2 * hr] * inv * vs.x, v1 = o[4 * i + 2 * hr + 1] * inv * vs.y;
-        if (add_mean) {
-          const float2 vm = __ldg(reinterpret_cast<const float2*>(vm_g + 8 * i));
-          v0 += vm.x;
-          v1 += vm.y;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * i) = __floats2bfloat162_rn(v0, v1);
-      }
-    }
-    return;
-  }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     bool has_keys;
     const float inv = row_normaliser(p, l[hr], m[hr], row[hr], t, b, h, has_keys);
     if (row[hr] >= p.nq) continue;
     const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
+    if constexpr (kPairs) {  // bf16 out, pairs_aligned(p)
+      __nv_bfloat16* out_pairs = static_cast<__nv_bfloat16*>(p.out) + out_row + 2 * t;
+      const bool add_mean = vm_g != nullptr && has_keys;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = 8 * i + 2 * t + e;
-        if (d >= p.head_dim) continue;
-        float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
-        if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
-        const int64_t at = out_row + d * p.o_sd;
-        if (p.out_dtype == kOutBF16) {
-          static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
-        } else if (p.out_dtype == kOutFP16) {
-          static_cast<__half*>(p.out)[at] = __float2half_rn(val);
-        } else {
-          static_cast<float*>(p.out)[at] = val;
+      for (int i = 0; i < D / 8; ++i) {
+        const float2 vs = __ldg(reinterpret_cast<const float2*>(vs_g + 8 * i + 2 * t));
+        float v0 = o[4 * i + 2 * hr] * inv * vs.x, v1 = o[4 * i + 2 * hr + 1] * inv * vs.y;
+        if (add_mean) {
+          const float2 vm = __ldg(reinterpret_cast<const float2*>(vm_g + 8 * i + 2 * t));
+          v0 += vm.x;
+          v1 += vm.y;
         }
+        *reinterpret_cast<__nv_bfloat162*>(out_pairs + 8 * i) = __floats2bfloat162_rn(v0, v1);
       }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = 8 * i + 2 * t + e;
+          if (d >= p.head_dim) continue;
+          float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
+          if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
+          const int64_t at = out_row + d * p.o_sd;
+          if (p.out_dtype == kOutBF16) {
+            static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
+          } else if (p.out_dtype == kOutFP16) {
+            static_cast<__half*>(p.out)[at] = __float2half_rn(val);
+          } else {
+            static_cast<float*>(p.out)[at] = val;
+          }
+        }
+    }
   }
 }
 
@@ -1034,13 +1026,25 @@ static cudaError_t launch_1wg_with(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Whether the epilogue may move head-dim elements in pairs (kPairs): bf16 out with its head dim contiguous and
+// unpadded, every pair's first element at an even index from a base aligned for two (out, δV, μV), so one
+// vector access each. (Pairs start at even d; a row starts at an even element when every stride is even.)
+static bool pairs_aligned(const Params& p) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  if (p.out_dtype != kOutBF16 || p.o_sd != 1 || p.head_dim != p.head_dim_padded) return false;
+  if (!aligned(p.out, 4) || !even(p.o_sb) || !even(p.o_sh) || !even(p.o_sn)) return false;
+  if (!aligned(p.v_scale, 8) || !even(p.vs_sb) || !even(p.vs_sh)) return false;
+  return p.v_mean == nullptr || (aligned(p.v_mean, 8) && even(p.vm_sb) && even(p.vm_sh));
+}
+
 // The instantiation for the inputs: tensor maps or cp.async, per-key or per-thread-group δK, pair epilogue.
 template <int D, int CtasPerSm>
 static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
   Params q = p;
   fill_tensor_maps(q);
   if (!q.tma) return launch_1wg_with<D, CtasPerSm, false, false, false>(q, stream);
-  const bool pairs = q.pair_epilogue && q.out_dtype == kOutBF16;
+  const bool pairs = pairs_aligned(q);
   if (q.k_thread_groups) {
     return pairs ? launch_1wg_with<D, CtasPerSm, true, true, true>(q, stream)
                  : launch_1wg_with<D, CtasPerSm, true, true, false>(q, stream);
@@ -1062,31 +1066,16 @@ static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant)
   return cudaGetLastError();
 }
 
-// Whether the epilogue may move head-dim elements in pairs: out's head dim contiguous and unpadded, every
-// pair's first element at an even index from a base aligned for two (out, δV, μV), so one vector access
-// each. (Pairs start at even d; a row starts at an even element when every stride is even.)
-static bool pairs_aligned(const Params& p) {
-  const int out_bytes = p.out_dtype == kOutFP32 ? 4 : 2;
-  const auto even = [](int64_t x) { return x % 2 == 0; };
-  const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
-  if (p.o_sd != 1 || p.head_dim != p.head_dim_padded) return false;
-  if (!aligned(p.out, 2 * out_bytes) || !even(p.o_sb) || !even(p.o_sh) || !even(p.o_sn)) return false;
-  if (!aligned(p.v_scale, 8) || !even(p.vs_sb) || !even(p.vs_sh)) return false;
-  return p.v_mean == nullptr || (aligned(p.v_mean, 8) && even(p.vm_sb) && even(p.vm_sh));
-}
-
 const char* launch(const Params& p, int64_t stream, int variant) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
   if (variant < 0 || variant > 2)
     return "sm90 kernel: variant must be 0 (warp-specialized), 1 or 2 (one warpgroup, two or three CTAs per SM)";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  Params q = p;
-  q.pair_epilogue = pairs_aligned(p);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
-    err = launch_for<128>(q, s, variant);
+    err = launch_for<128>(p, s, variant);
   } else if (p.head_dim_padded == 64) {
-    err = launch_for<64>(q, s, variant);
+    err = launch_for<64>(p, s, variant);
   } else {
     return "sm90 kernel: padded head dim must be 64 or 128";
   }

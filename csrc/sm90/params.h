@@ -35,9 +35,6 @@ struct Params {
   int kv_lens_int64;
   int out_dtype;      // OutDtype
   int k_thread_groups;  // 1: k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
-  // Set by launch(): 1 when out's head dim is contiguous and unpadded and out, δV and μV are aligned for pairs
-  // (the epilogue then loads δV/μV and stores out two head-dim elements at a time).
-  int pair_epilogue;
   // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
   // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows), Vᵀ (4-D:
   // key, d, head, batch) and δK (3-D: key, head, batch).
