@@ -3,7 +3,7 @@
 SDPA in the same run. For each shape: the old build's variant, then every variant given for the new one; the
 new outputs are compared bit for bit with the old's.
 
-    python tools/ab/sm90_builds.py OLD_SO [--old-variant 2] [--new-variants 2,3] [--n 1024,...] [--d 128,64]
+    python tools/ab/sm90_builds.py OLD_SO [--old-variant 2] [--new-variants 2] [--n 1024,...] [--d 128,64]
         [--causal 0,1] [--k per_token,per_thread] [--reps 3]
 
 TOPS as in bench/kernel_bench.py (4·B·H·N²·D / time, halved for causal; B·N = 16K tokens; median of
@@ -25,23 +25,11 @@ from sage_compile import spec
 from sage_compile.kernels import KernelArgs, sm90
 
 
-class _OlderBinding:
-    """A build from before an argument existed: drops the arguments it does not take (at their defaults)."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def attention(self, **kwargs):
-        if kwargs.get("persistent_ctas", 0) == 0:
-            kwargs.pop("persistent_ctas", None)
-        return self.module.attention(**kwargs)
-
-
 def load_build(path):
     module_spec = importlib.util.spec_from_file_location("_sm90", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return _OlderBinding(module)
+    return module
 
 
 def call_with(build, args, out, lse, variant):
@@ -59,7 +47,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("old_so")
     ap.add_argument("--old-variant", type=int, default=2)
-    ap.add_argument("--new-variants", default="2,3")
+    ap.add_argument("--new-variants", default="2")
     ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--causal", default="0,1")
