@@ -18,7 +18,8 @@ def _builds_table(name, title) -> list:
         return []
     kernels = data["kernels"] + ["cudnn"]
     lines = [f"## {title} — {data['device']}, torch {data['torch']}", "",
-             f"`{name}` (tools/ab/sm90_builds.py; old = the previous commit's build, same process, calls interleaved). "
+             f"`{name}` (tools/ab/sm90_builds.py; old = the session's starting commit {data.get('old_commit', 'ccb84a6')}, "
+             "same process, calls interleaved). "
              "TOPS:", "", "| D | causal | K | N | " + " | ".join(kernels) + " | new = old bit for bit |",
              "|---|---|---|---|" + "---|" * (len(kernels) + 1)]
     for r in data["rows"]:
@@ -231,6 +232,8 @@ def main() -> int:
         lines += ["", "Prep experiments of session 9 (one launch; one kernel in two launches; both slower than the "
                       "five kernels): `prep_h100_s9.md`.", ""]
     lines += _builds_table("sm90_epilogue_ab_h100_s10.json", "sm90 pair epilogue (session 10): the short-N fixed cost")
+    lines += _builds_table("sm90_epilogue_review_ab_h100_s10.json",
+                           "sm90 pair epilogue after the review's restructuring (session 10)")
     lines += _builds_table("sm90_persistent_ab_h100_s10.json",
                            "sm90 on a persistent grid, copies streamed across tiles (session 10, not kept)")
     e2e_s10 = _load("e2e_bench_h200_s10.json")
