@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 from pybind11 import get_include as pybind11_include
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -19,7 +20,7 @@ from setuptools import Extension, setup
 
 cpu_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
 
-SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
+SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu", "csrc/sm90/attention_bias.cu"]
 KERNEL_ARCHS = {"_sm90": {"90a"}}  # extension → archs it has code for
 
 
@@ -56,18 +57,29 @@ class NvccExtension(Extension):
         self.archs = sorted(archs)
 
 
+def _run(cmd):
+    print(" ".join(cmd))
+    subprocess.run(cmd, check=True)
+
+
 class BuildExt(build_ext):
     def build_extension(self, ext):
         if not isinstance(ext, NvccExtension):
             return super().build_extension(ext)
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
+        objects_dir = os.path.join(self.build_temp, ext.name)
+        os.makedirs(objects_dir, exist_ok=True)
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.archs]
-        cmd = [_nvcc(), *ext.sources, "-o", target, "-shared", "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
-               "--cudart", "static", "-I", pybind11_include(), "-I", sysconfig.get_paths()["include"], *gencode]
-        print(" ".join(cmd))
+        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-I", pybind11_include(),
+                 "-I", sysconfig.get_paths()["include"], *gencode]
+        objects = [os.path.join(objects_dir, os.path.basename(src) + ".o") for src in ext.sources]
+        # One nvcc per source, in parallel (MAX_JOBS, default every core): the kernel files take the time.
+        jobs = int(os.environ.get("MAX_JOBS", "0")) or os.cpu_count() or 1
         try:
-            subprocess.run(cmd, check=True)
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(_run, [[_nvcc(), "-c", src, "-o", obj, *flags] for src, obj in zip(ext.sources, objects)]))
+            _run([_nvcc(), *objects, "-o", target, "-shared", "--cudart", "static", *gencode])
         except (OSError, subprocess.CalledProcessError) as err:  # never fail the install for CUDA
             print(f"WARNING: building {ext.name} failed ({err}); the Triton/CPU kernels remain", file=sys.stderr)
 

@@ -31,7 +31,8 @@ std::vector<int64_t> strides(py::object value, size_t count) {
 void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, py::int_ v, py::object v_scale,
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
                std::tuple<int, int, int, int, int, int, int, int> sizes, int causal, int causal_offset,
-               bool kv_lens_int64, int out_dtype, int64_t stream, int variant, bool k_thread_groups) {
+               bool kv_lens_int64, int out_dtype, int64_t stream, int variant, bool k_thread_groups,
+               py::object delta_s, int q_group, py::object mask, bool mask_bool) {
   Params p{};
   p.q = pointer<const int8_t>(q);
   p.q_scale = pointer<const float>(q_scale);
@@ -48,6 +49,7 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   };
   auto sq = get("q", 3), sqs = get("q_scale", 2), sk = get("k", 3), sks = get("k_scale", 2), sv = get("v", 3);
   auto svs = get("v_scale", 2), svm = get("v_mean", 2), so = get("out", 4), sl = get("lse", 2);
+  auto sds = get("delta_s", 4), smk = get("mask", 4);
   p.q_sb = sq[0], p.q_sh = sq[1], p.q_sn = sq[2];
   p.qs_sb = sqs[0], p.qs_sh = sqs[1];
   p.k_sb = sk[0], p.k_sh = sk[1], p.k_sn = sk[2];
@@ -63,14 +65,21 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.kv_lens_int64 = kv_lens_int64 ? 1 : 0;
   p.out_dtype = out_dtype;
   p.k_thread_groups = k_thread_groups ? 1 : 0;
+  p.delta_s = pointer<const float>(delta_s);
+  p.ds_sb = sds[0], p.ds_sh = sds[1], p.ds_sr = sds[2], p.ds_sk = sds[3];
+  p.q_group = q_group;
+  if (p.delta_s != nullptr && q_group < 1) throw std::invalid_argument("sm90: q_group must be ≥ 1 with delta_s");
+  p.mask = pointer<const void>(mask);
+  p.mask_sb = smk[0], p.mask_sh = smk[1], p.mask_sr = smk[2], p.mask_sk = smk[3];
+  p.mask_bool = mask_bool ? 1 : 0;
   const char* err = sage_sm90::launch(p, stream, variant);
   if (err[0] != '\0') throw std::runtime_error(std::string("sage sm90 kernel launch failed: ") + err);
 }
 
-py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups) {
+py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, bool biased) {
   int regs = 0, local = 0, smem = 0, threads = 0;
-  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, &regs, &local, &smem, &threads))
-    throw std::invalid_argument("sm90: no kernel for this head dim (or no CUDA device)");
+  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, biased, &regs, &local, &smem, &threads))
+    throw std::invalid_argument("sm90: no kernel for this head dim and variant (or no CUDA device)");
   py::dict d;
   d["registers"] = regs;
   d["local_bytes"] = local;
@@ -87,9 +96,10 @@ PYBIND11_MODULE(_sm90, m) {
         py::arg("v_scale"), py::arg("v_mean"), py::arg("kv_lens"), py::arg("out"), py::arg("lse"),
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
         py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0,
-        py::arg("k_thread_groups") = false);
+        py::arg("k_thread_groups") = false, py::arg("delta_s") = py::none(), py::arg("q_group") = 1,
+        py::arg("mask") = py::none(), py::arg("mask_bool") = false);
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0,
-        py::arg("k_thread_groups") = false);
+        py::arg("k_thread_groups") = false, py::arg("biased") = false);
   m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas");
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;

@@ -35,6 +35,17 @@ struct Params {
   int kv_lens_int64;
   int out_dtype;      // OutDtype
   int k_thread_groups;  // 1: k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
+  // Score biases, added to S = x·δQ·δK in the spec's order: ΔS (smooth_q; fp32 [B, Hq, ceil(Nq/q_group), Nk],
+  // base-2 units; query row r reads row r / q_group), then attn_mask ([B|1, Hq|1, Nq|1, Nk]: fp32 added, base-2
+  // units, or bool, false → −inf). Element strides (0 where broadcast); null when absent. launch() sets the
+  // *_vec flags: rows aligned for one 4-key load (16 B fp32, 4 B bool) and keys contiguous.
+  const float* delta_s;
+  int64_t ds_sb, ds_sh, ds_sr, ds_sk;
+  int q_group;
+  const void* mask;
+  int64_t mask_sb, mask_sh, mask_sr, mask_sk;
+  int mask_bool;
+  int ds_vec, mask_vec;
   // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
   // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows), Vᵀ (4-D:
   // key, d, head, batch) and δK (3-D: key, head, batch).
@@ -45,13 +56,14 @@ struct Params {
 };
 
 // Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.
-// variant 0: warp-specialized (producer + two ping-pong consumer warpgroups, 128 rows per CTA);
-// variant 1: one warpgroup per CTA (64 rows, two CTAs per SM). Same function (block_n 128).
+// variant 0: warp-specialized (producer + two ping-pong consumer warpgroups, 128 rows per CTA; no score
+// biases); variants 1, 2: one warpgroup per CTA (64 rows, two or three CTAs per SM). Same function (block_n 128).
 const char* launch(const Params& p, int64_t stream, int variant);
 
 // Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
-// one padded head dim (thread_k: the per_thread δK instantiation); false when that head dim has no kernel.
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, int* regs, int* local_bytes, int* dynamic_smem,
-                 int* max_threads);
+// one padded head dim (thread_k: the per_thread δK instantiation; biased: the one that reads ΔS / attn_mask,
+// variants 1 and 2 only); false when that head dim has no kernel.
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, int* regs, int* local_bytes,
+                 int* dynamic_smem, int* max_threads);
 
 }  // namespace sage_sm90

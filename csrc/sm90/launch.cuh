@@ -1,0 +1,52 @@
+// Host-side pieces the launching translation units share (attention.cu: the kernels without score biases;
+// attention_bias.cu: the ones with — separate files so that nvcc compiles the two sets in parallel).
+#pragma once
+
+#include "kernel.cuh"
+
+namespace sage_sm90 {
+
+template <typename Kernel>
+static inline cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configured) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 32 || !(configured & (1u << device))) {  // one bit per device (≤ 32 devices)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    if (device < 32) configured |= 1u << device;
+  }
+  return cudaSuccess;
+}
+
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false>
+static cudaError_t launch_1wg_with(const Params& p, cudaStream_t stream) {
+  static unsigned configured = 0;
+  constexpr int kSmem = SmemLayout1<D, Stages1<D, CtasPerSm>()>::kDynamic;
+  auto kernel = attention_kernel_1wg<D, CtasPerSm, kMaps, kThreadK, kPairs, kBias>;
+  cudaError_t err = allow_smem(kernel, kSmem, configured);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.nq + kBlockM1 - 1) / kBlockM1, p.batch * p.hq);
+  kernel<<<grid, 128, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Whether the epilogue may move head-dim elements in pairs (kPairs): bf16 out with its head dim contiguous and
+// unpadded, every pair's first element at an even index from a base aligned for two (out, δV, μV), so one
+// vector access each. (Pairs start at even d; a row starts at an even element when every stride is even.)
+static inline bool pairs_aligned(const Params& p) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  if (p.out_dtype != kOutBF16 || p.o_sd != 1 || p.head_dim != p.head_dim_padded) return false;
+  if (!aligned(p.out, 4) || !even(p.o_sb) || !even(p.o_sh) || !even(p.o_sn)) return false;
+  if (!aligned(p.v_scale, 8) || !even(p.vs_sb) || !even(p.vs_sh)) return false;
+  return p.v_mean == nullptr || (aligned(p.v_mean, 8) && even(p.vm_sb) && even(p.vm_sh));
+}
+
+// The one-warpgroup instantiation that reads ΔS / attn_mask for `q` (tensor maps already filled, CtasPerSm
+// 2 or 3); defined in attention_bias.cu.
+cudaError_t launch_1wg_biased(const Params& q, cudaStream_t stream, int ctas_per_sm);
+cudaError_t biased_attributes(int head_dim_padded, int ctas_per_sm, bool thread_k, cudaFuncAttributes* attr,
+                              int* dynamic_smem);
+
+}  // namespace sage_sm90
