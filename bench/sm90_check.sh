@@ -13,7 +13,7 @@ grep -E "nvcc|WARNING" "$OUT/install.log" | grep -v "^ *$" | cut -c1-300 | tail 
 so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"; exit 1; }
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
 echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
-python -c "from sage_compile.kernels import sm90; print({(d, v, pt): sm90.kernel_info(d, v, pt) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)})"
+python -c "from sage_compile.kernels import sm90; print({(d, v, pt, bias): sm90.kernel_info(d, v, pt, bias) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True) for bias in (False, True) if v or not bias})"
 # Smoke test first: a hung kernel costs 30 s, not the whole call.
 timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
 import torch
@@ -31,6 +31,14 @@ for k_granularity in ("per_token", "per_thread"):
         sm90.run(a, out, lse, variant); torch.cuda.synchronize()
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
         print(f"smoke K {k_granularity} variant {variant}: cos {cos:.6f}")
+keep = torch.rand(1, 1, 300, 300, device="cuda") > 0.2  # a bool mask through the biased instantiation
+p = spec.prepare(q, k, v, 128 ** -0.5, spec.Quantization(smooth_q=True))
+a = KernelArgs.from_prepared(p, None, 0, 128, torch.bfloat16, keep)
+out.fill_(float("nan"))
+sm90.run(a, out, lse, 2); torch.cuda.synchronize()
+ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+print(f"smoke bool mask + ΔS variant 2: cos {cos:.6f}")
 PY
 if [ "$mode" = test ] || [ "$mode" = all ]; then
   timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25

@@ -1,10 +1,11 @@
 """Native Hopper kernel (``sage_compile._sm90``, csrc/sm90/attention.cu): wgmma INT8 QKᵀ + FP8 PV.
 
 Same function as the spec's oracle with ``block_n = BLOCK_N`` (128), computed like the Triton kernel's
-FAST path. It covers the default configuration (per-token INT8 Q/K with K smoothing, FP8 V, optional V
-smoothing, causal in both alignments, GQA, kv_lens, LSE); inputs it does not cover — ΔS (smooth_q), an
-``attn_mask``, FP16 PV, head dims other than 64/128 after padding — get a reason from ``supports`` and
-the dispatcher moves on to the Triton kernel. Importing fails when the extension is not built.
+FAST path. It covers INT8 Q/K with K smoothing (per-token or per_thread δK), FP8 V, optional V smoothing,
+ΔS (smooth_q) and an ``attn_mask`` (bool or fp32, any strides: the one-warpgroup launch shapes, every key
+block on the masked path), causal in both alignments, GQA, kv_lens, LSE; inputs it does not cover — FP16
+PV, head dims other than 64/128 after padding — get a reason from ``supports`` and the dispatcher moves on
+to the Triton kernel. Importing fails when the extension is not built.
 """
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def supports(args: KernelArgs) -> Optional[str]:
     dp = args.q.shape[-1]
     if dp not in HEAD_DIMS:
         return f"padded head dim {dp} not in {HEAD_DIMS}"
-    if args.delta_s is not None:
-        return "ΔS (smooth_q=True) is not implemented in the sm90 kernel"
-    if args.attn_mask is not None:
-        return "attn_mask is not implemented in the sm90 kernel"
+    if args.delta_s is not None and args.delta_s.dtype != torch.float32:
+        return f"delta_s must be float32 (got {args.delta_s.dtype})"
+    if (args.delta_s is not None or args.attn_mask is not None) and variant(dp) == 0:
+        return "ΔS (smooth_q) and attn_mask are read by the one-warpgroup launch shapes only (SAGE_SM90_VARIANT=0)"
     if args.out_dtype not in _OUT_DTYPES:
         return f"out dtype {args.out_dtype} not supported"
     if args.causal not in (0, 1, 2):
@@ -99,6 +100,11 @@ def _strides(t: Optional[torch.Tensor]):
     return None if t is None else tuple(t.stride())
 
 
+def _bias_strides(t: Optional[torch.Tensor]):
+    """Element strides of ΔS / attn_mask with 0 for size-1 (broadcast) dims, whose stride torch leaves free."""
+    return None if t is None else tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
 def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: Optional[int] = None) -> None:
     """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync."""
     check_inputs(args, out, lse, "cuda")
@@ -111,7 +117,8 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         return
     strides = {name: _strides(getattr(args, name)) for name in
                ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
-    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
+    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()), delta_s=_bias_strides(args.delta_s),
+                   mask=_bias_strides(args.attn_mask))
 
     def ptr(t):
         return None if t is None else t.data_ptr()
@@ -125,13 +132,17 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
         variant=variant(dp) if launch_variant is None else launch_variant, k_thread_groups=args.k_thread_groups,
+        delta_s=ptr(args.delta_s), q_group=args.q_group, mask=ptr(args.attn_mask),
+        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool,
     )
 
 
-def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False) -> dict:
+def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False,
+                biased: bool = False) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
-    (``k_thread_groups``: the instantiation for per_thread δK; variants 1 and 2: the instantiation with the
-    pair epilogue, which bf16 outputs with a contiguous, unpadded head dim take)."""
+    (``k_thread_groups``: the instantiation for per_thread δK; ``biased``: the one that reads ΔS / attn_mask,
+    variants 1 and 2; variants 1 and 2: the instantiation with the pair epilogue, which bf16 outputs with a
+    contiguous, unpadded head dim take)."""
     chosen = variant(padded_head_dim) if launch_variant is None else launch_variant
-    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups), variant=VARIANTS[chosen],
-                k_thread_groups=k_thread_groups)
+    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased), variant=VARIANTS[chosen],
+                k_thread_groups=k_thread_groups, biased=biased)

@@ -22,7 +22,7 @@ try:
 except ImportError:
     pytest.skip("sage_compile._sm90 not built", allow_module_level=True)
 from gpu_cases import (  # noqa: E402
-    DEV, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs,
+    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs, random_mask,
 )
 from helpers import cosine, rel_l1  # noqa: E402
 from sage_compile import dispatch, spec  # noqa: E402
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.gpu
 
 
 VARIANTS = list(range(len(sm90.VARIANTS)))  # launch shapes of one function (sage_compile/kernels/sm90.py)
+BIASED_VARIANTS = [1, 2]  # the one-warpgroup shapes read ΔS and attn_mask
 
 
 def run_sm90(args, variant=0):
@@ -82,6 +83,106 @@ def test_per_thread_k_scales_match_oracle(variant, causal, data):
     """k_granularity='per_thread': the one-warpgroup kernels read one δK per thread and block (tensor-map
     instantiation), the others every key's (the same values)."""
     assert_matches_oracle(make_case(**data.draw(cases(causal)), k_granularity="per_thread"), variant)
+
+
+@st.composite
+def biased_cases(draw, causal):
+    """cases() with ΔS (smooth_q, groups smaller and larger than the kernel's 64 rows) and/or an attn_mask of
+    every kind (gpu_cases.MASK_KINDS: broadcast, expanded, transposed, SDPA-converted), never neither."""
+    case = draw(cases(causal))
+    smooth_q = draw(st.booleans())
+    mask = draw(st.sampled_from(MASK_KINDS if smooth_q else MASK_KINDS[1:]))
+    return dict(case, smooth_q=smooth_q, q_block=draw(st.sampled_from([128, 256, 48, 16])) if smooth_q else 128,
+                mask=mask, k_granularity=draw(st.sampled_from(["per_token", "per_thread"])))
+
+
+@pytest.mark.parametrize("variant", BIASED_VARIANTS)
+@pytest.mark.parametrize("causal", [0, 1, 2])
+@settings(max_examples=15)
+@given(data=st.data())
+def test_biases_match_oracle(variant, causal, data):
+    """ΔS and attn_mask (the kBias instantiations: tensor maps or cp.async, per-key or per_thread δK, both
+    epilogues) against the oracle, which adds them at the same point (after δQ·δK, before causal/kv_lens)."""
+    assert_matches_oracle(make_case(**data.draw(biased_cases(causal))), variant)
+
+
+@pytest.mark.parametrize("variant", BIASED_VARIANTS)
+@pytest.mark.parametrize("mask", MASK_KINDS[1:])
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_mask_kind(variant, mask, d):
+    """Each mask kind once, whatever the property test draws, with ΔS, kv_lens and bottom-right causal; Nk ≥
+    128 and a multiple of 4 (tensor maps, and the 4-key vector loads where the mask's rows allow them)."""
+    kv_lens = torch.tensor([300, 170], dtype=torch.int32, device=DEV)
+    args = make_case(2, 4, 2, 130, 300, d, causal=2, smooth_q=True, smooth_v=True, q_block=32,
+                     kv_lens=kv_lens, seed=11, mask=mask)
+    out, _ = assert_matches_oracle(args, variant)
+    assert not torch.equal(out, run_sm90(dataclasses.replace(args, attn_mask=None), variant)[0])  # mask read
+
+
+@pytest.mark.parametrize("variant", BIASED_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_vector_and_scalar_mask_loads_agree(variant, dtype):
+    """The same mask values through aligned rows (one 4-key load per row and group) and through rows
+    misaligned by one element (one load per key): equal outputs, bit for bit; ΔS likewise."""
+    batch, hq, n_q, n_k = 2, 4, 200, 516
+    args = make_case(batch, hq, 2, n_q, n_k, 128, causal=0, smooth_q=True, q_block=64, seed=17)
+    mask = random_mask("bool[B,1]" if dtype == torch.bool else "fp32[B,Hq]", batch, hq, n_q, n_k, seed=17)
+    aligned = dataclasses.replace(args, attn_mask=mask)
+
+    def misaligned(t):  # same values, each row one element past a 4-element boundary
+        store = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=DEV)
+        store[..., 1:] = t
+        return store[..., 1:]
+
+    shifted = dataclasses.replace(args, attn_mask=misaligned(mask), delta_s=misaligned(args.delta_s))
+    out_a, lse_a = run_sm90(aligned, variant)
+    out_s, lse_s = run_sm90(shifted, variant)
+    assert torch.equal(out_a, out_s) and torch.equal(lse_a, lse_s)
+    assert_close_to_oracle(aligned, out_a, lse_a, sm90.BLOCK_N, "aligned mask")
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype, causal):
+    """Rows the mask closes entirely get out 0 (no μV) and lse −inf, as in the spec; rows closed only in
+    their first key block (m stays −inf across it) and open rows match the oracle as usual."""
+    batch, hq, n_q, n_k = 2, 4, 150, 300
+    args = make_case(batch, hq, 2, n_q, n_k, 128, causal=causal, smooth_v=True, seed=13)
+    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool, device=DEV)
+    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool, device=DEV)
+    closed[0, 1, :] = True  # a whole (batch, head)
+    closed[1, :, 5] = True  # one query row in every head
+    closed[1, 3, 64:] = True  # whole CTAs' rows
+    allowed[closed] = False
+    allowed[0, 2, 130:140, :128] = False  # closed in the first key block only
+    allowed[0, 3, 100:, :] = False  # closed except one key, visible under causal too
+    allowed[0, 3, 100:, 50] = True
+    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape, device=DEV).masked_fill(~allowed, -math.inf)
+    out, lse = assert_matches_oracle(dataclasses.replace(args, attn_mask=mask), 2)
+    assert torch.equal(torch.isneginf(lse), closed)
+    assert (out.float()[closed] == 0).all() and out.float()[~closed].isfinite().all()
+
+
+def test_cuda_graph_replay_reads_the_mask_at_replay():
+    """A captured launch with a broadcast mask view reads the mask's memory at replay: new values written in
+    place change the output to the oracle's for them."""
+    kv_lens = torch.tensor([700, 333], dtype=torch.int64, device=DEV)
+    args = make_case(2, 8, 2, 300, 700, 128, causal=2, smooth_q=True, smooth_v=True, seed=21, kv_lens=kv_lens,
+                     mask="fp32[B,1]-expanded")
+    out, lse = poisoned_outputs(args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sm90.run(args, out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_oracle(args, out, lse, sm90.BLOCK_N, "first replay")
+    base = args.attn_mask._base if args.attn_mask._base is not None else args.attn_mask
+    fresh = random_mask("fp32[B,1]-expanded", 2, 8, 300, 700, seed=22)
+    base.copy_(fresh._base if fresh._base is not None else fresh)
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close_to_oracle(args, out, lse, sm90.BLOCK_N, "replay after new mask values")
 
 
 @pytest.mark.parametrize("variant", [1, 2])
@@ -193,14 +294,16 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
     monkeypatch.setenv("SAGE_KERNELS", "triton,sm90,cpu,reference")
     assert dispatch.choose(args)[0].NAME == "triton"
     monkeypatch.setenv("SAGE_KERNELS", "sm90,triton,cpu,reference")
-    for change, reason in (
-        (dict(attn_mask=torch.ones(1, 1, 64, 64, dtype=torch.bool, device=DEV)), "attn_mask"),
-        (dict(delta_s=torch.zeros(1, 2, 1, 64, device=DEV), q_group=128), "ΔS"),
+    for change in (
+        dict(attn_mask=torch.ones(1, 1, 64, 64, dtype=torch.bool, device=DEV)),
+        dict(delta_s=torch.zeros(1, 2, 1, 64, device=DEV), q_group=128),
     ):
         changed = dataclasses.replace(args, **change)
-        assert reason in sm90.supports(changed)
+        assert dispatch.choose(changed)[0].NAME == "sm90"
+        monkeypatch.setenv("SAGE_SM90_VARIANT", "0")  # the warp-specialized shape reads no biases
         module, reasons = dispatch.choose(changed)
-        assert module.NAME == "triton" and reason in reasons["sm90"]
+        assert module.NAME == "triton" and "one-warpgroup" in reasons["sm90"]
+        monkeypatch.delenv("SAGE_SM90_VARIANT")
     fp16 = make_case(1, 2, 1, 64, 64, 128, pv="fp16")
     assert "float8" in sm90.supports(fp16)
     big = make_case(1, 1, 1, 8, 8, 256)
@@ -219,6 +322,19 @@ def test_kernel_info_reports_resources():
         for d in sm90.HEAD_DIMS:
             info = sm90.kernel_info(d, variant)
             assert info["registers"] <= 255 and info["threads"] >= 128, info
+
+
+def test_biased_instantiations_report_resources():
+    """The ΔS / attn_mask kernels: no spills at D=64 or with two CTAs per SM; D=128 at three CTAs per SM
+    (168 registers) spills what the masked path's extra live values need — bounded so growth is noticed."""
+    for variant in BIASED_VARIANTS:
+        for d in sm90.HEAD_DIMS:
+            for thread_k in (False, True):
+                info = sm90.kernel_info(d, variant, k_thread_groups=thread_k, biased=True)
+                bound = 256 if (d == 128 and variant == 2) else 0
+                assert info["local_bytes"] <= bound and info["registers"] <= 255, info
+    with pytest.raises(ValueError):
+        sm90.kernel_info(128, 0, biased=True)
 
 
 @pytest.mark.parametrize("causal", [0, 1])
