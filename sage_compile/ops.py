@@ -113,7 +113,7 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
         p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens, v_prep=prep.prepare_v)
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        spec.kernel_mask(spec.broadcast_mask(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
+        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
         p.k_thread_groups,
     )
     return out

@@ -315,7 +315,7 @@ def quantized_attention_reference(
     """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores).
 
     ``k_thread_groups`` promises δK constant over each per_thread group (checked here; a kernel may then
-    read one δK per group). ``attn_mask`` [B|1, Hq|1, Nq, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
+    read one δK per group). ``attn_mask`` [B|1, Hq|1, Nq|1, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
     SDPA's additive mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
     batch, hq, n_q, dp = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
@@ -386,17 +386,19 @@ def reference_attention(
     out, _ = quantized_attention_reference(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         p.q_group, causal, q.shape[-1], q.dtype, block_n=block_n,
-        attn_mask=kernel_mask(broadcast_mask(attn_mask, q, k)), k_thread_groups=p.k_thread_groups,
+        attn_mask=kernel_mask(mask_operand(attn_mask, q, k)), k_thread_groups=p.k_thread_groups,
     )
     return out
 
 
-def broadcast_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
-    """SDPA broadcasting of a mask to 4-D [B|1, Hq|1, Nq, Nk] (a view: size-1 dims keep stride 0)."""
+def mask_operand(attn_mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """An SDPA mask as the kernel contract takes it: 4-D [B|1, Hq|1, Nq|1, Nk], size-1 batch, head and query
+    dims kept (kernels read them with stride 0), so a key-padding mask [B, 1, 1, Nk] stays that small — also
+    where the op's contiguous-inputs tag makes Inductor copy it. Only a size-1 key dim is expanded (a view)."""
     if attn_mask is None:
         return None
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)
-    batch = q.shape[0] if attn_mask.shape[0] != 1 else 1
-    heads = q.shape[1] if attn_mask.shape[1] != 1 else 1
-    return attn_mask.expand(batch, heads, q.shape[2], k.shape[2])
+    if attn_mask.shape[-1] != k.shape[-2]:
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], k.shape[-2])
+    return attn_mask

@@ -19,15 +19,17 @@ COS_MIN = 0.99999
 
 
 MASK_KINDS = (None, "bool[B,1]", "bool[1,1]", "fp32[B,Hq]", "bool[1,1]-expanded", "fp32[B,1]-expanded",
-              "fp32[1,Hq]-transposed", "bool[1,1,1,Nk]-expanded", "sdpa-2d-additive")
+              "fp32[1,Hq]-transposed", "bool[1,1,1,Nk]-expanded", "sdpa-2d-additive", "bool[B,1,1,Nk]",
+              "fp32[1,Hq,1,Nk]")
 
 
 def random_mask(kind, batch, hq, n_q, n_k, seed):
-    """A kernel-contract attn_mask [B|1, Hq|1, Nq, Nk] of the given kind, or None: bool ~30% False, or
+    """A kernel-contract attn_mask [B|1, Hq|1, Nq|1, Nk] of the given kind, or None: bool ~30% False, or
     fp32 (base-2 units) with random finite values and ~10% -inf; "-expanded" kinds are stride-0 views of
-    the full [B, Hq, Nq, Nk] (batch/head, and for [1,1,1,Nk] the query rows too); "-transposed" is stored
+    the full [B, Hq, Nq, Nk] (batch/head, and for [1,1,1,Nk] the query rows too); "[B,1,1,Nk]" / "[1,Hq,1,Nk]" keep
+    a size-1 query dim (the contract's Nq|1); "-transposed" is stored
     [.., Nk, Nq] (last-dim stride Nq); "sdpa-2d-additive" is an SDPA mask [Nq, Nk] through the op's own
-    spec.broadcast_mask + spec.kernel_mask."""
+    spec.mask_operand + spec.kernel_mask."""
     if kind is None:
         return None
     g = torch.Generator(device=DEV).manual_seed(seed + 7)
@@ -54,10 +56,14 @@ def random_mask(kind, batch, hq, n_q, n_k, seed):
         return floats((1, hq, n_k, n_q)).transpose(-1, -2)
     if kind == "bool[1,1,1,Nk]-expanded":  # a key-padding mask: stride 0 on batch, heads and query rows
         return bools((1, 1, 1, n_k)).expand(full)
+    if kind == "bool[B,1,1,Nk]":  # a key-padding mask as spec.mask_operand passes it: size-1 query dim
+        return bools((batch, 1, 1, n_k))
+    if kind == "fp32[1,Hq,1,Nk]":  # a per-head key bias, size-1 query dim
+        return floats((1, hq, 1, n_k))
     if kind == "sdpa-2d-additive":
         sdpa = floats((n_q, n_k)).to(torch.bfloat16)
         shaped = torch.empty(batch, hq, n_q, 1, device=DEV), torch.empty(batch, hq, n_k, 1, device=DEV)
-        return spec.kernel_mask(spec.broadcast_mask(sdpa, *shaped))
+        return spec.kernel_mask(spec.mask_operand(sdpa, *shaped))
     raise ValueError(kind)
 
 

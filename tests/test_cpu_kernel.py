@@ -172,16 +172,16 @@ def _assert_matches_oracle(out, lse, ref_out, ref_lse):
 _MASK_LAYOUTS = ((0, 1, 2, 3), (0, 1, 3, 2), (3, 2, 1, 0), (2, 0, 3, 1))
 
 
-def _random_mask(kind, batch, hq, n_q, n_k, seed, expand=False, layout=(0, 1, 2, 3)):
+def _random_mask(kind, batch, hq, n_q, n_k, seed, expand=False, layout=(0, 1, 2, 3), query_rows=True):
     """A kernel-contract attn_mask, or None. kind = (dtype, Bm, Hm) with Bm ∈ {1, B}, Hm ∈ {1, Hq}:
     bool with ~30% False, or fp32 (base-2 units) with random finite values and ~10% -inf. ``expand``
     turns size-1 dims into stride-0 views of the full [B, Hq, Nq, Nk]; ``layout`` stores it permuted and
-    strided (see _strided_copy)."""
+    strided (see _strided_copy); ``query_rows=False``: one row for every query (the contract's Nq|1)."""
     if kind is None:
         return None
     dtype, bm, hm = kind
     g = torch.Generator().manual_seed(seed + 1)
-    shape = (bm, hm, n_q, n_k)
+    shape = (bm, hm, n_q if query_rows else 1, n_k)
     if dtype == torch.bool:
         mask = torch.rand(shape, generator=g) >= 0.3
     else:
@@ -199,7 +199,8 @@ def _masks(draw, batch, hq):
     if dtype is None:
         return dict(kind=None)
     kind = (dtype, draw(st.sampled_from([1, batch])), draw(st.sampled_from([1, hq])))
-    return dict(kind=kind, expand=draw(st.booleans()), layout=draw(st.sampled_from(_MASK_LAYOUTS)))
+    return dict(kind=kind, expand=draw(st.booleans()), layout=draw(st.sampled_from(_MASK_LAYOUTS)),
+                query_rows=draw(st.booleans()))
 
 
 _LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 150]), st.integers(0, 150))
@@ -261,6 +262,8 @@ _MASK_CASES = {
     "fp32[B,Hq]-strided": dict(kind=(torch.float32, 2, 4), layout=(2, 0, 3, 1)),
     "fp32[B,1]-expanded": dict(kind=(torch.float32, 2, 1), expand=True),
     "fp32[1,1]-expanded-transposed": dict(kind=(torch.float32, 1, 1), expand=True, layout=(0, 1, 3, 2)),
+    "bool[B,1,1,Nk]": dict(kind=(torch.bool, 2, 1), query_rows=False),
+    "fp32[1,Hq,1,Nk]-strided": dict(kind=(torch.float32, 1, 4), query_rows=False, layout=(2, 0, 3, 1)),
 }
 
 

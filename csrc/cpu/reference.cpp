@@ -268,7 +268,7 @@ std::optional<KvLens> kv_lens_view(const std::optional<TensorArg>& arg) {
                 dtype == "int64"};
 }
 
-// attn_mask [B|1, Hq|1, Nq, Nk]: bool (nonzero byte = attend) or fp32 added to S. Python passes stride 0
+// attn_mask [B|1, Hq|1, Nq|1, Nk]: bool (nonzero byte = attend) or fp32 added to S. Python passes stride 0
 // for its broadcast (size-1) dimensions, so it is indexed with the score's own (b, h, i, j).
 struct AttnMask {
   const uint8_t* data;

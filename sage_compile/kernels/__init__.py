@@ -30,7 +30,7 @@ class KernelArgs:
     causal: int
     head_dim: int
     out_dtype: torch.dtype
-    attn_mask: Optional[torch.Tensor] = None  # [B|1, Hq|1, Nq, Nk]: bool, or fp32 added to S (base 2)
+    attn_mask: Optional[torch.Tensor] = None  # [B|1, Hq|1, Nq|1, Nk]: bool, or fp32 added to S (base 2)
     k_thread_groups: bool = False  # k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
 
     @classmethod
@@ -103,9 +103,9 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_
         if mask.dtype not in _MASK_DTYPES:
             raise ValueError(f"sage.quantized_attention: attn_mask.dtype={mask.dtype}, expected bool or float32")
         m = tuple(mask.shape)
-        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2:] != (n_q, n_k):
-            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq, Nk] "
-                             f"= [{batch}|1, {hq}|1, {n_q}, {n_k}]")
+        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2] not in (1, n_q) or m[3] != n_k:
+            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq|1, Nk] "
+                             f"= [{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
     v_shape = tuple(args.v.shape)
     if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
         raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

@@ -12,7 +12,7 @@ blocks are masked), in the order and with the block boundaries of ``spec.quantiz
     O32 = O32·α + acc                                          (two-level accumulation, true fp32)
     out = O32 · (1/(448·l)) · δV (+ μV);   lse = (m + log2 l) / log2 e
 
-With an ``attn_mask`` ([B|1, Hq|1, Nq, Nk], any strides; broadcast batch/head read with stride 0) every
+With an ``attn_mask`` ([B|1, Hq|1, Nq|1, Nk], any strides; broadcast batch/head/query read with stride 0) every
 key block takes the masked path and loads its [BLOCK_M, BLOCK_N] mask tile; HAS_MASK is a constexpr, so the
 unmasked kernel compiles to the same instructions as without the feature.
 
@@ -399,7 +399,7 @@ def supports(args: KernelArgs) -> Optional[str]:
 
 
 def _mask_problem(args: KernelArgs) -> Optional[str]:
-    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq, Nk], bool or fp32."""
+    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32."""
     mask = args.attn_mask
     if mask is None:
         return None
@@ -408,11 +408,11 @@ def _mask_problem(args: KernelArgs) -> Optional[str]:
     batch, hq, n_q, _ = args.q.shape
     n_k = args.k.shape[2]
     if mask.dim() != 4:
-        return f"attn_mask must be 4-D [B|1, Hq|1, Nq, Nk] (got shape {tuple(mask.shape)})"
+        return f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(mask.shape)})"
     bm, hm, mq, mk = mask.shape
-    if bm not in (1, batch) or hm not in (1, hq) or mq != n_q or mk != n_k:
-        return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq, Nk] = "
-                f"[{batch}|1, {hq}|1, {n_q}, {n_k}]")
+    if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
+        return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
+                f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
     if mask.device != args.device:
         return f"attn_mask must be on {args.device} (got {mask.device})"
     return None
@@ -469,7 +469,7 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
     if mask is not None:
         mask_is_bool = mask.dtype == torch.bool
         am = mask.view(torch.uint8) if mask_is_bool else mask  # same bytes; 0 = masked
-        # Broadcast batch/head (size 1) read with stride 0 whatever stride the view has.
+        # Broadcast batch/head/query (size 1) read with stride 0 whatever stride the view has.
         am_strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
     else:
         mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
