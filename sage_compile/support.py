@@ -139,7 +139,8 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     threshold = config.min_seq_len
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
-        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity)
+        mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
+        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity, mask)
     if not threshold:
         return None
     n_k = call.k.shape[-2]

@@ -49,13 +49,43 @@ MEASURED_PER_THREAD_K = {
 }
 
 
-def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token") -> float:
+# Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), session 11,
+# H200, `python -m bench.bias_bench --e2e` (docs/results/bias_e2e_h200_s11.json), rope → SDPA(attn_mask),
+# 1K/4K/16K/32K, sage / inductor:
+#   a mask with one row for every query (key padding [B,1,1,Nk] bool): D=128 0.90, 1.18, 1.34, 1.37;
+#     D=64 0.90, 1.09, 1.16, 1.17 → from 4K at both head dims (causal does not arise: SDPA takes a mask
+#     or is_causal, not both);
+#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive): D=128 0.84, 0.97, 0.99, 1.00; D=64 0.82, 0.85,
+#     0.85, 0.78 → never (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
+#   a bool mask with a row per query: not measured end to end — the unmasked table (kernel alone, H100: sm90
+#     402–423 TOPS with a random [B,H,Nq,Nk] bool mask at D=128 4K–16K, SDPA with that mask 126–130).
+MEASURED_KEY_MASK = {
+    (9, 128): 4096,
+    (9, 64): 4096,
+}
+
+
+def mask_rows(mask) -> str:
+    """How a site's attn_mask reads, for the thresholds: "keys" (one row for every query: key padding, a
+    per-key bias), "bool" or "float" (a row per query)."""
+    if mask.dim() < 2 or mask.shape[-2] == 1:
+        return "keys"
+    return "bool" if mask.dtype == torch.bool else "float"
+
+
+def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
+                mask=None) -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
-    measured sm90 table (per_thread K: its own, faster kernel); other archs borrow sm90's entry until
-    measured; unmeasured shapes: 0."""
+    measured sm90 table (per_thread K: its own, faster kernel; a site with an attn_mask: the masked
+    measurements above); other archs borrow sm90's entry until measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
-    table = MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED
     major = torch.cuda.get_device_capability(device)[0]
+    rows = mask_rows(mask) if mask is not None else None
+    if rows == "float":
+        return NEVER
+    if rows == "keys":
+        return MEASURED_KEY_MASK.get((major, padded_head_dim), MEASURED_KEY_MASK.get((9, padded_head_dim), 0))
+    table = MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED
     key = (major, padded_head_dim, causal)
     return table.get(key, table.get((9, padded_head_dim, causal), 0))

@@ -60,3 +60,21 @@ def test_thresholds_follow_the_k_granularity(monkeypatch):
         assert thresholds.min_seq_len(cuda, d, causal, "per_thread") == thresholds.MEASURED_PER_THREAD_K[key]
     assert thresholds.min_seq_len(cuda, 128, False, "per_thread") < thresholds.min_seq_len(cuda, 128, False)
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, "per_thread") == 0
+
+
+def test_thresholds_of_masked_sites(monkeypatch):
+    """A site with an attn_mask has its own measured table: a mask with one row for all queries (key padding)
+    from MEASURED_KEY_MASK; an fp32 mask with a row per query never (measured slower); a bool one per query
+    the unmasked table."""
+    from sage_compile import thresholds
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    padding = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    for d in (64, 128):
+        assert thresholds.min_seq_len(cuda, d, False, mask=padding) == thresholds.MEASURED_KEY_MASK[(9, d)]
+        assert thresholds.min_seq_len(cuda, d, False, mask=torch.zeros(64)) == thresholds.MEASURED_KEY_MASK[(9, d)]
+        assert thresholds.min_seq_len(cuda, d, False, mask=torch.zeros(2, 1, 64, 64)) == thresholds.NEVER
+        full_bool = torch.ones(64, 64, dtype=torch.bool)
+        assert thresholds.min_seq_len(cuda, d, False, mask=full_bool) == thresholds.MEASURED[(9, d, False)]
+    assert thresholds.min_seq_len(torch.device("cpu"), 128, False, mask=torch.zeros(2, 1, 64, 64)) == 0
