@@ -151,6 +151,38 @@ def _models_table(models) -> list:
     return lines
 
 
+def _bias_tables() -> list:
+    """bench/bias_bench.py: the kernels with a score bias (attn_mask / ΔS), alone and end to end."""
+    lines = []
+    kernel = _load("bias_bench_h100_s11.json")
+    if kernel:
+        cols = ("sm90_v1", "sm90_v2", "triton", "sm90_plain", "sdpa", "cudnn", "efficient")
+        lines += [f"## Kernels with an attn_mask or ΔS (session 11) — {kernel['device']}, torch {kernel['torch']}", "",
+                  "`bias_bench_h100_s11.json` (`python -m bench.bias_bench`): TOPS with the bias; sm90 in both "
+                  "one-warpgroup shapes (v1 two CTAs per SM, v2 three: the default), the Triton kernel on the same "
+                  "inputs, sm90 without the bias, SDPA with the same mask (its own choice; cuDNN; efficient). "
+                  "key_padding = bool [B,1,1,N] expanded over heads and queries; additive = fp32 [B,1,N,N]; "
+                  "bool_full = bool [B,H,N,N]; delta_s = smooth_q (ΔS [B,H,N/128,N]).", "",
+                  "| D | N | bias | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+        for r in kernel["rows"]:
+            lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | "
+                         + " | ".join(f"{r[c + '_tops']:.0f}" if c + "_tops" in r else "–" for c in cols) + " |")
+        lines.append("")
+    e2e = _load("bias_e2e_h200_s11.json")
+    if e2e:
+        lines += [f"### End to end with a mask — {e2e['device']}, torch {e2e['torch']}", "",
+                  "`bias_e2e_h200_s11.json` (`python -m bench.bias_bench --e2e`): compiled rope → "
+                  "SDPA(attn_mask) with backend=\"inductor\" vs sage (fused rope prep, dynamic=True), the mask as a "
+                  "model passes it (key_padding bool [B,1,1,N]; additive fp32 [B,1,N,N]). The masked-site "
+                  "thresholds of sage_compile/thresholds.py come from this table.", "",
+                  "| D | N | mask | inductor TOPS | sage TOPS | speed-up |", "|---|---|---|---|---|---|"]
+        for r in e2e["rows"]:
+            lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
+                         f"{r['speedup']:.2f} |")
+        lines.append("")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -236,6 +268,7 @@ def main() -> int:
                            "sm90 pair epilogue after the review's restructuring (session 10)")
     lines += _builds_table("sm90_persistent_ab_h100_s10.json",
                            "sm90 on a persistent grid, copies streamed across tiles (session 10, not kept)")
+    lines += _bias_tables()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
@@ -276,7 +309,7 @@ def main() -> int:
                   f"| bf16 SDPA | {c['bf16_sdpa']['min']:.5f} | {c['bf16_sdpa']['mean']:.5f} |",
                   f"| fp32 from the fp16-packed weights | {c['fp32_from_fp16_weights']['min']:.6f} | "
                   f"{c['fp32_from_fp16_weights']['mean']:.6f} |", ""]
-    for name in ("models_h100.json", "models_h200.json"):
+    for name in ("models_h100.json", "models_h200.json", "models_h200_s11.json"):
         models = _load(name)
         if models:
             lines += _models_table(models) + [""]

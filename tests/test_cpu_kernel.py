@@ -378,10 +378,11 @@ def test_wrong_shapes_are_refused_before_the_kernel_runs():
     args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
     with pytest.raises(ValueError, match="k_scale"):
         _run_cpu(dataclasses.replace(args, k_scale=args.k_scale[..., :-1]))
-    for shape in ((8, 8), (1, 8, 8), (1, 1, 1, 8, 8), (2, 1, 8, 8), (1, 3, 8, 8), (1, 1, 8, 7), (1, 2, 1, 8),
+    for shape in ((8, 8), (1, 8, 8), (1, 1, 1, 8, 8), (2, 1, 8, 8), (1, 3, 8, 8), (1, 1, 8, 7), (1, 2, 2, 8),
                   (1, 1, 8, 1)):
-        with pytest.raises(ValueError, match=r"attn_mask has shape .*\[B\|1, Hq\|1, Nq, Nk\]"):
+        with pytest.raises(ValueError, match=r"attn_mask has shape .*\[B\|1, Hq\|1, Nq\|1, Nk\]"):
             _run_cpu(dataclasses.replace(args, attn_mask=torch.ones(shape, dtype=torch.bool)))
+    _run_cpu(dataclasses.replace(args, attn_mask=torch.ones(1, 2, 1, 8, dtype=torch.bool)))  # Nq|1: one row for all
 
 
 def test_faster_than_the_python_reference(capsys):

@@ -91,7 +91,7 @@ py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, boo
 }  // namespace
 
 PYBIND11_MODULE(_sm90, m) {
-  m.doc() = "sage.quantized_attention for sm_90a (wgmma INT8 QK, FP8 PV); see csrc/sm90/attention.cu";
+  m.doc() = "sage.quantized_attention for sm_90a (wgmma INT8 QK, FP8 PV); see csrc/sm90/kernel.cuh";
   m.def("attention", &attention, py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
         py::arg("v_scale"), py::arg("v_mean"), py::arg("kv_lens"), py::arg("out"), py::arg("lse"),
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),

@@ -17,6 +17,8 @@
 //   ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and S_j = Q·K_jᵀ back to back, folds T into
 //   O while S_j is still running, then runs the softmax of block j while the other warpgroup's products
 //   occupy the tensor cores.
+// Score biases (ΔS, attn_mask): v1/v2 only, in the kBias instantiations (attention_bias.cu): every key block
+// takes the masked path and adds them after δQ·δK (softmax_scores, add_bias).
 // Measured speeds and what was tried: docs/notes.md, docs/results/README.md.
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
