@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sage_compile import dispatch, spec
-from sage_compile.kernels import KERNEL_MODULES, KernelArgs
+from sage_compile.kernels import KERNEL_MODULES, KernelArgs, mask_problem
 
 
 def _cpu_args(head_dim=64):
@@ -36,6 +36,19 @@ def test_cpu_inputs_get_the_cpu_kernel_with_reasons_from_gpu_kernels():
     assert module.NAME == "cpu"
     assert "CUDA" in reasons["triton"] or "not importable" in reasons["triton"]
     assert "CUDA" in reasons["sm90"] or "not importable" in reasons["sm90"]
+
+
+def test_mask_problem_names_what_breaks_the_contract():
+    """The GPU kernels' shared mask check (kernels.mask_problem): [B|1, Hq|1, Nq|1, Nk], bool or fp32."""
+    import dataclasses
+
+    args = _cpu_args()  # B=1, Hq=2, Nq=Nk=8
+    for good in (torch.ones(1, 2, 8, 8, dtype=torch.bool), torch.zeros(1, 1, 1, 8), torch.zeros(1, 2, 1, 8)):
+        assert mask_problem(dataclasses.replace(args, attn_mask=good)) is None
+    for bad, words in ((torch.zeros(1, 2, 8, 8, dtype=torch.float16), "bool or float32"),
+                       (torch.zeros(2, 8, 8), "4-D"), (torch.zeros(1, 2, 2, 8), "does not fit"),
+                       (torch.zeros(1, 3, 8, 8), "does not fit"), (torch.zeros(1, 2, 8, 7), "does not fit")):
+        assert words in mask_problem(dataclasses.replace(args, attn_mask=bad)), bad.shape
 
 
 def test_sm90_refuses_cpu_tensors_when_built():

@@ -62,6 +62,27 @@ _TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "del
 _MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
 
 
+def mask_problem(args: KernelArgs) -> Optional[str]:
+    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32 (the
+    GPU kernels' ``supports`` give this as their reason, before check_inputs would raise)."""
+    mask = args.attn_mask
+    if mask is None:
+        return None
+    if mask.dtype not in _MASK_DTYPES:
+        return f"attn_mask must be bool or float32 (got {mask.dtype})"
+    batch, hq, n_q, _ = args.q.shape
+    n_k = args.k.shape[2]
+    if mask.dim() != 4:
+        return f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(mask.shape)})"
+    bm, hm, mq, mk = mask.shape
+    if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
+        return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
+                f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
+    if mask.device != args.device:
+        return f"attn_mask must be on {args.device} (got {mask.device})"
+    return None
+
+
 def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_type: str) -> None:
     """Kernels that read and write wherever pointers, sizes and strides say (the C++ and CUDA ones) call
     this first: a wrong shape, or a tensor on another device, must stop here."""

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import _sm90
-from . import KernelArgs, check_inputs
+from . import KernelArgs, check_inputs, mask_problem
 
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
@@ -69,6 +69,9 @@ def supports(args: KernelArgs) -> Optional[str]:
     dp = args.q.shape[-1]
     if dp not in HEAD_DIMS:
         return f"padded head dim {dp} not in {HEAD_DIMS}"
+    mask_reason = mask_problem(args)
+    if mask_reason is not None:
+        return mask_reason
     if args.delta_s is not None and args.delta_s.dtype != torch.float32:
         return f"delta_s must be float32 (got {args.delta_s.dtype})"
     if (args.delta_s is not None or args.attn_mask is not None) and variant(dp) == 0:

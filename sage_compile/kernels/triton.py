@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelArgs
+from . import KernelArgs, mask_problem
 
 NAME = "triton"
 
@@ -395,27 +395,7 @@ def supports(args: KernelArgs) -> Optional[str]:
         t = getattr(args, name)
         if t is not None and t.dtype != torch.float32:
             return f"{name} must be float32 (got {t.dtype})"
-    return _mask_problem(args)
-
-
-def _mask_problem(args: KernelArgs) -> Optional[str]:
-    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32."""
-    mask = args.attn_mask
-    if mask is None:
-        return None
-    if mask.dtype not in (torch.bool, torch.float32):
-        return f"attn_mask must be bool or float32 (got {mask.dtype})"
-    batch, hq, n_q, _ = args.q.shape
-    n_k = args.k.shape[2]
-    if mask.dim() != 4:
-        return f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(mask.shape)})"
-    bm, hm, mq, mk = mask.shape
-    if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
-        return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
-                f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
-    if mask.device != args.device:
-        return f"attn_mask must be on {args.device} (got {mask.device})"
-    return None
+    return mask_problem(args)
 
 
 def _tma_ok(args: KernelArgs) -> bool:
