@@ -58,7 +58,7 @@ MEASURED_PER_THREAD_K = {
 #   an fp32 mask with a row per query ([B,1,Nq,Nk] additive): D=128 0.84, 0.97, 0.99, 1.00; D=64 0.82, 0.85,
 #     0.85, 0.78 → never (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
 #   a bool mask with a row per query: not measured end to end — the unmasked table (kernel alone, H100: sm90
-#     402–423 TOPS with a random [B,H,Nq,Nk] bool mask at D=128 4K–16K, SDPA with that mask 126–130).
+#     402–420 TOPS with a random [B,H,Nq,Nk] bool mask at D=128 4K–16K, SDPA with that mask 126–130).
 MEASURED_KEY_MASK = {
     (9, 128): 4096,
     (9, 64): 4096,
