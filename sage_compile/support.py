@@ -137,16 +137,22 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     from . import thresholds
 
     threshold = config.min_seq_len
+    mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
-        mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
         threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity, mask)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
-    source = "min_seq_len" if config.min_seq_len is not None else f"measured on {thresholds.MEASURED_ON}"
+    if config.min_seq_len is not None:
+        source = "min_seq_len"
+    elif mask is not None:
+        source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {thresholds.MEASURED_MASKED_ON}"
+    else:
+        source = f"measured on {thresholds.MEASURED_ON}"
     if threshold == thresholds.NEVER:
-        return f"SDPA is faster here at every key length for this head dim/causality ({source})"
+        what = "mask" if mask is not None and config.min_seq_len is None else "head dim/causality"
+        return f"SDPA is faster here at every key length for this {what} ({source})"
     if n_k < threshold:
         return f"SDPA is faster here: key length {n_k} < {int(threshold)} ({source})"
     return None

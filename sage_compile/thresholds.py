@@ -63,6 +63,9 @@ MEASURED_KEY_MASK = {
     (9, 128): 4096,
     (9, 64): 4096,
 }
+MEASURED_MASKED_ON = "measured on the H200 (sm90), docs/results/bias_e2e_h200_s11.json"
+MASK_ROWS_TEXT = {"keys": "a mask shared by all queries (key padding)", "bool": "a bool mask per query",
+                  "float": "an additive fp32 mask per query"}
 
 
 def mask_rows(mask) -> str:

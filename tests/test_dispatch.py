@@ -91,3 +91,21 @@ def test_thresholds_of_masked_sites(monkeypatch):
         full_bool = torch.ones(64, 64, dtype=torch.bool)
         assert thresholds.min_seq_len(cuda, d, False, mask=full_bool) == thresholds.MEASURED[(9, d, False)]
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, mask=torch.zeros(2, 1, 64, 64)) == 0
+
+
+def test_masked_threshold_reasons_name_the_mask(monkeypatch):
+    """explain()'s reason for a masked site kept as SDPA says which masked measurement decided it (the
+    thresholds of a Hopper GPU, asked for meta tensors standing in for CUDA ones)."""
+    from sage_compile import SageConfig, thresholds
+    from sage_compile.support import AttentionCall, sdpa_is_faster
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real = thresholds.min_seq_len
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda device, *a, **k: real(torch.device("cuda"), *a, **k))
+    q = torch.empty(1, 2, 1024, 128, device="meta")
+    for mask, words in ((torch.zeros(1, 1, 1024, 1024), "every key length for this mask"),
+                        (torch.ones(1, 1, 1, 1024, dtype=torch.bool), "key length 1024 < 4096 (sites with a mask "
+                                                                      "shared by all queries")):
+        reason = sdpa_is_faster(AttentionCall(q, q, q, attn_mask=mask), SageConfig())
+        assert words in reason and "bias_e2e" in reason, reason
+    assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig())
