@@ -394,11 +394,16 @@ def reference_attention(
 def mask_operand(attn_mask: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
     """An SDPA mask as the kernel contract takes it: 4-D [B|1, Hq|1, Nq|1, Nk], size-1 batch, head and query
     dims kept (kernels read them with stride 0), so a key-padding mask [B, 1, 1, Nk] stays that small — also
-    where the op's contiguous-inputs tag makes Inductor copy it. Only a size-1 key dim is expanded (a view)."""
+    where the op's contiguous-inputs tag makes Inductor copy it; an expanded one (stride 0 over batch, heads or
+    queries, as transformers' sdpa_mask returns it) is narrowed back to size 1 there. Only a size-1 key dim is
+    expanded (a view)."""
     if attn_mask is None:
         return None
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)
+    for dim in range(3):  # a broadcast (stride-0) batch/head/query dim back to size 1: HF's expanded padding masks
+        if statically_known_true(attn_mask.stride(dim) == 0):
+            attn_mask = attn_mask.narrow(dim, 0, 1)
     if attn_mask.shape[-1] != k.shape[-2]:
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], k.shape[-2])
     return attn_mask

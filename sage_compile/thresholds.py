@@ -70,8 +70,8 @@ MASK_ROWS_TEXT = {"keys": "a mask shared by all queries (key padding)", "bool": 
 
 def mask_rows(mask) -> str:
     """How a site's attn_mask reads, for the thresholds: "keys" (one row for every query: key padding, a
-    per-key bias), "bool" or "float" (a row per query)."""
-    if mask.dim() < 2 or mask.shape[-2] == 1:
+    per-key bias — also when expanded over the queries with stride 0), "bool" or "float" (a row per query)."""
+    if mask.dim() < 2 or mask.shape[-2] == 1 or mask.stride(-2) == 0:  # stride 0: expanded over the queries
         return "keys"
     return "bool" if mask.dtype == torch.bool else "float"
 

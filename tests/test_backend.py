@@ -164,16 +164,20 @@ def test_inductor_generated_code_calls_the_quantized_op():
     assert cosine(out, ref) > 0.995
 
 
+@pytest.mark.parametrize("expanded", [False, True])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
-def test_key_padding_mask_reaches_the_op_unexpanded(mask_dtype):
+def test_key_padding_mask_reaches_the_op_unexpanded(mask_dtype, expanded):
     """A key-padding mask [B, 1, 1, Nk] reaches sage.quantized_attention as is: the op's contiguous-inputs tag
     would make Inductor materialize a broadcast [B, 1, Nq, Nk] copy on every call (spec.mask_operand keeps
-    the size-1 query dim; the kernels read it with stride 0). Checked in the generated code."""
+    the size-1 query dim, and narrows a stride-0 expanded one — transformers' sdpa_mask expands in the graph;
+    the kernels read it with stride 0). Checked in the generated code."""
     from torch._inductor.utils import run_and_get_code
 
     batch, n, heads, d = 2, 96, 2, 32
 
     def block(q, k, v, mask):
+        if expanded:
+            mask = mask.expand(batch, 1, n, n)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     g = torch.Generator().manual_seed(0)

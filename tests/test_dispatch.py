@@ -88,6 +88,8 @@ def test_thresholds_of_masked_sites(monkeypatch):
         assert thresholds.min_seq_len(cuda, d, False, mask=padding) == thresholds.MEASURED_KEY_MASK[(9, d)]
         assert thresholds.min_seq_len(cuda, d, False, mask=torch.zeros(64)) == thresholds.MEASURED_KEY_MASK[(9, d)]
         assert thresholds.min_seq_len(cuda, d, False, mask=torch.zeros(2, 1, 64, 64)) == thresholds.NEVER
+        expanded = torch.zeros(2, 1, 1, 64).expand(2, 1, 64, 64)  # one row for all queries, stride 0
+        assert thresholds.min_seq_len(cuda, d, False, mask=expanded) == thresholds.MEASURED_KEY_MASK[(9, d)]
         full_bool = torch.ones(64, 64, dtype=torch.bool)
         assert thresholds.min_seq_len(cuda, d, False, mask=full_bool) == thresholds.MEASURED[(9, d, False)]
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, mask=torch.zeros(2, 1, 64, 64)) == 0
