@@ -151,7 +151,7 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     else:
         source = f"measured on {thresholds.MEASURED_ON}"
     if threshold == thresholds.NEVER:
-        what = "mask" if mask is not None and config.min_seq_len is None else "head dim/causality"
+        what = "mask" if mask is not None else "head dim/causality"  # NEVER comes from the tables only
         return f"SDPA is faster here at every key length for this {what} ({source})"
     if n_k < threshold:
         return f"SDPA is faster here: key length {n_k} < {int(threshold)} ({source})"

@@ -62,9 +62,15 @@ _TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "del
 _MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
 
 
+def broadcast_strides(t: torch.Tensor) -> tuple:
+    """Element strides with 0 for size-1 dims (torch leaves their stride free): how the kernels index a
+    broadcast attn_mask / ΔS with each score's own coordinates."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+
+
 def mask_problem(args: KernelArgs) -> Optional[str]:
     """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32 (the
-    GPU kernels' ``supports`` give this as their reason, before check_inputs would raise)."""
+    GPU kernels' ``supports`` give it as their reason; check_inputs raises it)."""
     mask = args.attn_mask
     if mask is None:
         return None
@@ -119,14 +125,9 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_
                              f"the {device_type} kernel needs every tensor on one {device_type} device")
         if name in expected and tuple(t.shape) != expected[name]:
             raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
-    mask = args.attn_mask
-    if mask is not None:
-        if mask.dtype not in _MASK_DTYPES:
-            raise ValueError(f"sage.quantized_attention: attn_mask.dtype={mask.dtype}, expected bool or float32")
-        m = tuple(mask.shape)
-        if len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, hq) or m[2] not in (1, n_q) or m[3] != n_k:
-            raise ValueError(f"sage.quantized_attention: attn_mask has shape {m}, expected [B|1, Hq|1, Nq|1, Nk] "
-                             f"= [{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
+    mask_reason = mask_problem(args)
+    if mask_reason is not None:
+        raise ValueError(f"sage.quantized_attention: {mask_reason}")
     v_shape = tuple(args.v.shape)
     if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
         raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")

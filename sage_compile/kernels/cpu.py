@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .. import _C, spec
-from . import KernelArgs, check_inputs
+from . import KernelArgs, broadcast_strides, check_inputs, mask_problem
 
 NAME = "cpu"
 
@@ -18,7 +18,6 @@ _SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
 _V_DTYPES = (torch.float8_e4m3fn, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KV_LENS_DTYPES = (torch.int32, torch.int64)
-_MASK_DTYPES = (torch.bool, torch.float32)
 
 
 def supports(args: KernelArgs) -> Optional[str]:
@@ -37,9 +36,7 @@ def supports(args: KernelArgs) -> Optional[str]:
         return f"out_dtype={args.out_dtype}, expected bfloat16, float16 or float32"
     if args.kv_lens is not None and args.kv_lens.dtype not in _KV_LENS_DTYPES:
         return f"kv_lens.dtype={args.kv_lens.dtype}, expected int32 or int64"
-    if args.attn_mask is not None and args.attn_mask.dtype not in _MASK_DTYPES:
-        return f"attn_mask.dtype={args.attn_mask.dtype}, expected bool or float32"
-    return None
+    return mask_problem(args)
 
 
 def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -71,5 +68,4 @@ def _mask_arg(mask: Optional[torch.Tensor]):
     gets stride 0, whatever stride it has."""
     if mask is None:
         return None
-    strides = tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))
-    return mask.data_ptr(), str(mask.dtype).removeprefix("torch."), strides
+    return mask.data_ptr(), str(mask.dtype).removeprefix("torch."), broadcast_strides(mask)

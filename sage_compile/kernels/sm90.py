@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import _sm90
-from . import KernelArgs, check_inputs, mask_problem
+from . import KernelArgs, broadcast_strides, check_inputs, mask_problem
 
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
@@ -103,11 +103,6 @@ def _strides(t: Optional[torch.Tensor]):
     return None if t is None else tuple(t.stride())
 
 
-def _bias_strides(t: Optional[torch.Tensor]):
-    """Element strides of ΔS / attn_mask with 0 for size-1 (broadcast) dims, whose stride torch leaves free."""
-    return None if t is None else tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-
-
 def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: Optional[int] = None) -> None:
     """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync."""
     check_inputs(args, out, lse, "cuda")
@@ -120,8 +115,9 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         return
     strides = {name: _strides(getattr(args, name)) for name in
                ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
-    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()), delta_s=_bias_strides(args.delta_s),
-                   mask=_bias_strides(args.attn_mask))
+    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
+    strides.update({name: broadcast_strides(t) for name, t in (("delta_s", args.delta_s), ("mask", args.attn_mask))
+                    if t is not None})  # read with stride 0 over size-1 dims
 
     def ptr(t):
         return None if t is None else t.data_ptr()

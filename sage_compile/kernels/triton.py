@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelArgs, mask_problem
+from . import KernelArgs, broadcast_strides, mask_problem
 
 NAME = "triton"
 
@@ -449,8 +449,7 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
     if mask is not None:
         mask_is_bool = mask.dtype == torch.bool
         am = mask.view(torch.uint8) if mask_is_bool else mask  # same bytes; 0 = masked
-        # Broadcast batch/head/query (size 1) read with stride 0 whatever stride the view has.
-        am_strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
+        am_strides = broadcast_strides(mask)  # broadcast batch/head/query (size 1) read with stride 0
     else:
         mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
     ds_strides = ds.stride() if args.delta_s is not None else (0, 0, 0)
