@@ -112,14 +112,7 @@ static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
     q.mask_vec = bias_vec(q.mask, q.mask_bool ? 1 : 4, q.mask_sb, q.mask_sh, q.mask_sr, q.mask_sk);
     return launch_1wg_biased(q, stream, CtasPerSm);
   }
-  if (!q.tma) return launch_1wg_with<D, CtasPerSm, false, false, false>(q, stream);
-  const bool pairs = pairs_aligned(q);
-  if (q.k_thread_groups) {
-    return pairs ? launch_1wg_with<D, CtasPerSm, true, true, true>(q, stream)
-                 : launch_1wg_with<D, CtasPerSm, true, true, false>(q, stream);
-  }
-  return pairs ? launch_1wg_with<D, CtasPerSm, true, false, true>(q, stream)
-               : launch_1wg_with<D, CtasPerSm, true, false, false>(q, stream);
+  return launch_1wg_for_inputs<D, CtasPerSm, false>(q, stream);
 }
 
 template <int D>
@@ -164,16 +157,8 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, cudaF
     *dynamic_smem = SmemLayout<D>::kDynamic;
     return cudaFuncGetAttributes(attr, attention_kernel<D>);
   }
-  // The tensor-map instantiations with the pair epilogue (bf16 out; the cp.async one runs only where no map
-  // can be made, the element-wise epilogue for other outputs).
-  if (variant == 1) {
-    *dynamic_smem = SmemLayout1<D, Stages1<D, 2>()>::kDynamic;
-    return thread_k ? cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true, true, true>)
-                    : cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 2, true, false, true>);
-  }
-  *dynamic_smem = SmemLayout1<D, Stages1<D, 3>()>::kDynamic;
-  return thread_k ? cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true, true, true>)
-                  : cudaFuncGetAttributes(attr, attention_kernel_1wg<D, 3, true, false, true>);
+  return variant == 1 ? attributes_1wg<D, 2, false>(thread_k, attr, dynamic_smem)
+                      : attributes_1wg<D, 3, false>(thread_k, attr, dynamic_smem);
 }
 
 bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, int* regs, int* local_bytes,

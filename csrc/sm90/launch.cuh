@@ -43,8 +43,30 @@ static inline bool pairs_aligned(const Params& p) {
   return p.v_mean == nullptr || (aligned(p.v_mean, 8) && even(p.vm_sb) && even(p.vm_sh));
 }
 
-// The one-warpgroup instantiation that reads ΔS / attn_mask for `q` (tensor maps already filled, CtasPerSm
-// 2 or 3); defined in attention_bias.cu.
+// The one-warpgroup instantiation for the inputs (`q`'s tensor maps already filled): tensor maps or cp.async,
+// per-key or per-thread-group δK, pair epilogue; kBias is fixed by the translation unit that launches.
+template <int D, int CtasPerSm, bool kBias>
+static cudaError_t launch_1wg_for_inputs(const Params& q, cudaStream_t stream) {
+  if (!q.tma) return launch_1wg_with<D, CtasPerSm, false, false, false, kBias>(q, stream);
+  const bool pairs = pairs_aligned(q);
+  if (q.k_thread_groups) {
+    return pairs ? launch_1wg_with<D, CtasPerSm, true, true, true, kBias>(q, stream)
+                 : launch_1wg_with<D, CtasPerSm, true, true, false, kBias>(q, stream);
+  }
+  return pairs ? launch_1wg_with<D, CtasPerSm, true, false, true, kBias>(q, stream)
+               : launch_1wg_with<D, CtasPerSm, true, false, false, kBias>(q, stream);
+}
+
+// Resources kernel_info reports for a one-warpgroup shape: the tensor-map instantiation with the pair epilogue
+// (bf16 out; the cp.async one runs only where no map can be made, the element-wise epilogue for other outputs).
+template <int D, int CtasPerSm, bool kBias>
+static cudaError_t attributes_1wg(bool thread_k, cudaFuncAttributes* attr, int* dynamic_smem) {
+  *dynamic_smem = SmemLayout1<D, Stages1<D, CtasPerSm>()>::kDynamic;
+  return thread_k ? cudaFuncGetAttributes(attr, attention_kernel_1wg<D, CtasPerSm, true, true, true, kBias>)
+                  : cudaFuncGetAttributes(attr, attention_kernel_1wg<D, CtasPerSm, true, false, true, kBias>);
+}
+
+// The instantiations that read ΔS / attn_mask (CtasPerSm 2 or 3); defined in attention_bias.cu.
 cudaError_t launch_1wg_biased(const Params& q, cudaStream_t stream, int ctas_per_sm);
 cudaError_t biased_attributes(int head_dim_padded, int ctas_per_sm, bool thread_k, cudaFuncAttributes* attr,
                               int* dynamic_smem);
