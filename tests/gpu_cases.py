@@ -67,6 +67,24 @@ def random_mask(kind, batch, hq, n_q, n_k, seed):
     raise ValueError(kind)
 
 
+def closed_rows_mask(batch, hq, n_q, n_k, dtype):
+    """(mask, closed): a mask that closes whole rows (a whole (batch, head); one query row in every head; the
+    rows from 64 on of one head — whole query blocks / CTAs), rows closed only in their first key block
+    (m stays −inf across it), rows open at one key (visible under causal too); ``closed`` [B, Hq, Nq] marks the
+    rows with no key. bool, or fp32 with −inf. Shapes as the kernels' whole-row tests use (150 × 300)."""
+    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool, device=DEV)
+    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool, device=DEV)
+    closed[0, 1, :] = True
+    closed[1, :, 5] = True
+    closed[1, 3, 64:] = True
+    allowed[closed] = False
+    allowed[0, 2, 130:140, :128] = False
+    allowed[0, 3, 100:, :] = False
+    allowed[0, 3, 100:, 50] = True
+    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape, device=DEV).masked_fill(~allowed, -math.inf)
+    return mask, closed
+
+
 def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, smooth_v=False, q_block=128,
               kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0, mask=None,
               k_granularity="per_token"):

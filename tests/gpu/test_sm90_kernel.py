@@ -22,7 +22,8 @@ try:
 except ImportError:
     pytest.skip("sage_compile._sm90 not built", allow_module_level=True)
 from gpu_cases import (  # noqa: E402
-    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs, random_mask,
+    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, closed_rows_mask, make_case, poisoned_outputs,
+    random_mask,
 )
 from helpers import cosine, rel_l1  # noqa: E402
 from sage_compile import dispatch, spec  # noqa: E402
@@ -148,16 +149,7 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype, causal):
     their first key block (m stays −inf across it) and open rows match the oracle as usual."""
     batch, hq, n_q, n_k = 2, 4, 150, 300
     args = make_case(batch, hq, 2, n_q, n_k, 128, causal=causal, smooth_v=True, seed=13)
-    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool, device=DEV)
-    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool, device=DEV)
-    closed[0, 1, :] = True  # a whole (batch, head)
-    closed[1, :, 5] = True  # one query row in every head
-    closed[1, 3, 64:] = True  # whole CTAs' rows
-    allowed[closed] = False
-    allowed[0, 2, 130:140, :128] = False  # closed in the first key block only
-    allowed[0, 3, 100:, :] = False  # closed except one key, visible under causal too
-    allowed[0, 3, 100:, 50] = True
-    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape, device=DEV).masked_fill(~allowed, -math.inf)
+    mask, closed = closed_rows_mask(batch, hq, n_q, n_k, dtype)
     out, lse = assert_matches_oracle(dataclasses.replace(args, attn_mask=mask), 2)
     assert torch.equal(torch.isneginf(lse), closed)
     assert (out.float()[closed] == 0).all() and out.float()[~closed].isfinite().all()

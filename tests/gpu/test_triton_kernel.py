@@ -31,8 +31,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import (  # noqa: E402
-    DEV, MASK_KINDS, assert_close_to_oracle as _assert_close, check_accuracy_vs_fp32, make_case, poisoned_outputs,
-    random_mask,
+    DEV, MASK_KINDS, assert_close_to_oracle as _assert_close, check_accuracy_vs_fp32, closed_rows_mask, make_case,
+    poisoned_outputs, random_mask,
 )
 
 pytestmark = pytest.mark.gpu
@@ -136,21 +136,12 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype, causal):
     their first key block (m stays -inf across it) and open rows match the oracle as usual."""
     batch, hq, n_q, n_k = 2, 4, 150, 300
     args = make_case(batch, hq, 2, n_q, n_k, 64, causal=causal, pv=PVS[0], smooth_v=True, seed=13)
-    allowed = torch.ones(batch, hq, n_q, n_k, dtype=torch.bool, device=DEV)
-    closed = torch.zeros(batch, hq, n_q, dtype=torch.bool, device=DEV)
-    closed[0, 1, :] = True  # a whole (batch, head)
-    closed[1, :, 5] = True  # one query row in every head
-    closed[1, 3, 64:] = True  # whole query blocks of the kernel
-    allowed[closed] = False
-    allowed[0, 2, 130:140, :128] = False  # closed in the first key block(s) only (open keys ≤ row: causal too)
-    allowed[0, 3, 100:, :] = False  # closed except one key, visible under causal too
-    allowed[0, 3, 100:, 50] = True
-    mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape, device=DEV).masked_fill(~allowed, -math.inf)
+    mask, closed = closed_rows_mask(batch, hq, n_q, n_k, dtype)
     args = dataclasses.replace(args, attn_mask=mask)
     out, lse = assert_matches_oracle(args)
     assert torch.equal(torch.isneginf(lse), closed)
     assert (out.float()[closed] == 0).all() and out.float()[~closed].isfinite().all()
-    all_closed = dataclasses.replace(args, attn_mask=torch.zeros_like(allowed))
+    all_closed = dataclasses.replace(args, attn_mask=torch.zeros(mask.shape, dtype=torch.bool, device=DEV))
     out, lse = run_kernel(all_closed)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
