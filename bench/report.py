@@ -168,6 +168,18 @@ def _bias_tables() -> list:
             lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | "
                          + " | ".join(f"{r[c + '_tops']:.0f}" if c + "_tops" in r else "–" for c in cols) + " |")
         lines.append("")
+        tried = [(name, _load(name)) for name in ("bias_bench_h100_s11_unbatched.json", "bias_bench_h100_s11_prefetch.json")]
+        lines += ["Tried and not kept, same bench and device (sm90 v2 TOPS, D=128, at 1K / 4K / 16K):", ""]
+        for name, data in tried:
+            if data:
+                by_kind = {}
+                for r in data["rows"]:
+                    if r["d"] == 128 and "sm90_v2_tops" in r:
+                        by_kind.setdefault(r["kind"], []).append(f"{r['sm90_v2_tops']:.0f}")
+                    elif r["d"] == 128 and "sm90_tops" in r:
+                        by_kind.setdefault(r["kind"], []).append(f"{r['sm90_tops']:.0f}")
+                lines.append(f"* `{name}`: {data['note']} " + "; ".join(f"{k} {' / '.join(v)}" for k, v in by_kind.items()))
+        lines.append("")
     e2e = _load("bias_e2e_h200_s11.json")
     if e2e:
         lines += [f"### End to end with a mask — {e2e['device']}, torch {e2e['torch']}", "",
