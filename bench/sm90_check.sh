@@ -12,7 +12,7 @@ echo "build+install: $(( $(date +%s) - t0 )) s"
 grep -E "nvcc|WARNING" "$OUT/install.log" | grep -v "^ *$" | cut -c1-300 | tail -3
 so=$(ls sage_compile/_sm90*.so 2>/dev/null) || { echo "no _sm90 extension built"; exit 1; }
 cuobjdump --dump-sass "$so" > "$OUT/sm90.sass" 2>&1
-echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3)" "$OUT/sm90.sass" | sort | uniq -c
+echo "SASS mix:"; grep -oE "(IGMMA|QGMMA|HGMMA|LDL|STL|MUFU\.EX2|F2FP\.SATFINITE\.E4M3|F2FP\.F16)" "$OUT/sm90.sass" | sort | uniq -c
 python -c "from sage_compile.kernels import sm90; print({(d, v, pt, bias): sm90.kernel_info(d, v, pt, bias) for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True) for bias in (False, True) if v or not bias})"
 # Smoke test first: a hung kernel costs 30 s, not the whole call.
 timeout 60 python - <<'PY' || { echo "SMOKE TEST FAILED OR HUNG"; exit 1; }
@@ -40,8 +40,36 @@ ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
 print(f"smoke bool mask + ΔS variant 2: cos {cos:.6f}")
 PY
+# The fp16-PV kernels (opt-in until validated: SAGE_SM90_PV16=1), D=128 and 64, tensor maps (Nk=1024) and
+# cp.async (Nk=301), plain and with a key-padding mask; a failure here is reported, the rest still runs.
+SAGE_SM90_PV16=1 timeout 60 python - <<'PY' || echo "PV16 SMOKE TEST FAILED OR HUNG"
+import torch
+from sage_compile import spec
+from sage_compile.kernels import KernelArgs, sm90
+print({(d, v, b): sm90.kernel_info(d, v, biased=b, pv16=True) for d, vs in sm90.PV16_VARIANTS.items() for v in vs
+       for b in (False, True)})
+for d in (128, 64):
+    for n_k in (1024, 301):
+        q = torch.randn(1, 2, 300, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, n_k, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        pad = (torch.arange(n_k, device="cuda") < n_k - 37).view(1, 1, 1, n_k)
+        for mask in (None, pad):
+            ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+            out = torch.full((1, 2, 300, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(1, 2, 300, device="cuda")
+            for pv in ("fp8", "fp16"):
+                p = spec.prepare(q, k, v, d ** -0.5, spec.Quantization(pv=pv))
+                a = KernelArgs.from_prepared(p, None, 0, d, torch.bfloat16, spec.mask_operand(mask, q, k))
+                out.fill_(float("nan"))
+                sm90.run(a, out, lse); torch.cuda.synchronize()
+                err = ((out.float() - ref).abs().sum() / ref.abs().sum()).item()
+                print(f"smoke pv {pv:4s} D{d} Nk {n_k} mask {mask is not None}: relL1 vs fp32 {err:.4f}")
+PY
 if [ "$mode" = test ] || [ "$mode" = all ]; then
-  timeout ${TEST_TIMEOUT:-150} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
+  timeout ${TEST_TIMEOUT:-200} python -m pytest tests/gpu/test_sm90_kernel.py -x -q -p no:cacheprovider -s -k "not fp16" ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
+  # the fp16-PV instantiations on their own (not yet validated: no -x, every failure listed)
+  echo "== fp16 PV tests"
+  timeout ${TEST_TIMEOUT:-200} python -m pytest tests/gpu/test_sm90_kernel.py -q -p no:cacheprovider -s -k fp16 --tb=short ${TEST_ARGS:-} 2>&1 | tee "$OUT/sm90_pv16_tests.log" | grep -E "accuracy|passed|failed|Error|error|assert" | tail -25
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python -m bench.kernel_bench "$@" 2>&1 | tee "$OUT/kernel_bench.log" | tail -30

@@ -138,14 +138,16 @@ def assert_close_to_oracle(args, out, lse, block_n, label=""):
 # Accuracy against fp32 SDPA on the three distributions of ANCHORS.md (B=1, H=8, N=4096, D=128): bounds on
 # the kernel's (cos ≥, relL1 ≤); the measured values are what docs/results report.
 ACCURACY_BOUNDS = {"normal": (0.999, 0.06), "outliers": (0.999, 0.06), "channel_bias": (0.9995, 0.03)}
+ISSUE_4_BAR = {name: (0.9995, 0.03) for name in ACCURACY_BOUNDS}  # issue 4's accuracy target, every distribution
 ACCURACY_SHAPE = (1, 8, 4096, 128)
 
 
-def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV, quant=spec.Quantization()) -> dict:
+def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV, quant=spec.Quantization(),
+                           bounds=ACCURACY_BOUNDS) -> dict:
     """``run(args) -> out`` for each distribution against fp32 SDPA (math backend), beside bf16 SDPA;
-    asserts ACCURACY_BOUNDS and writes $OUT/accuracy_{label}_causal{causal}.json when OUT is set."""
+    asserts ``bounds`` and writes $OUT/accuracy_{label}_causal{causal}.json when OUT is set."""
     results = {}
-    for name, (cos_min, rel_max) in ACCURACY_BOUNDS.items():
+    for name, (cos_min, rel_max) in bounds.items():
         g = torch.Generator(device=device).manual_seed(1234)
         q, k, v = (t.to(torch.bfloat16) for t in anchor_qkv(name, ACCURACY_SHAPE, g, device))
         with sdpa_kernel(SDPBackend.MATH):

@@ -20,7 +20,7 @@ def regs(start, count):
 
 
 def chain(kind, n, steps):
-    """`steps` k32 wgmmas into a fresh accumulator in ONE asm statement: the compiler can place nothing between
+    """`steps` k-step wgmmas into a fresh accumulator in ONE asm statement: the compiler can place nothing between
     them (no register moves that would make ptxas serialize the pipeline), the first step ignores the accumulator (scale-d false)."""
     acc = n // 2
     if kind == "s8":
@@ -31,6 +31,15 @@ def chain(kind, n, steps):
         a_sig, tail = "uint64_t desc_a", ""
         name = f"wgmma_s8_m64n{n}k32_x{steps}"
         comment = f"S (s32, m64n{n}) = Q (s8, smem) · Kᵀ (s8, smem), {steps} k32 steps."
+    elif kind == "f16":
+        dtype, ctype, outs = "f32.f16.f16", "float", ", ".join(f'"+f"(d[{i}])' for i in range(acc))
+        a_ops = ["{" + ", ".join(f"%{acc + 4 * k + r}" for r in range(4)) + "}" for k in range(steps)]
+        ins = ", ".join(f'"r"(a[{k}][{r}])' for k in range(steps) for r in range(4))
+        b_base = acc + 4 * steps
+        a_sig, tail = f"const uint32_t (&a)[{steps}][4]", ", 1, 1, 0"  # imm-trans-b 0: Vᵀ tile K-major
+        name = f"wgmma_f16_rs_m64n{n}k16_x{steps}"
+        comment = (f"T (f32, m64n{n}) = P (f16, registers) · V (f16, smem), {steps} k16 steps over two tiles of 64 keys\n"
+                   f"// ({n} rows of 128 bytes each; the second at desc_b + {n * 128 // 16}, in 16-byte units).")
     else:
         dtype, ctype, outs = "f32.e4m3.e4m3", "float", ", ".join(f'"+f"(d[{i}])' for i in range(acc))
         a_ops = ["{" + ", ".join(f"%{acc + 4 * k + r}" for r in range(4)) + "}" for k in range(steps)]
@@ -39,11 +48,16 @@ def chain(kind, n, steps):
         a_sig, tail = f"const uint32_t (&a)[{steps}][4]", ", 1, 1"
         name = f"wgmma_e4m3_rs_m64n{n}k32_x{steps}"
         comment = f"T (f32, m64n{n}) = P (e4m3, registers) · V (e4m3, smem), {steps} k32 steps."
-    ins += ", " + ", ".join(f'"l"(desc_b + {2 * k})' for k in range(steps))
+    if kind == "f16":  # 32-byte k16 steps, four per 128-byte row of a 64-key tile, then the next tile
+        half = n * 128 // 16
+        ins += ", " + ", ".join(f'"l"(desc_b + {half * (k // 4) + 2 * (k % 4)})' for k in range(steps))
+    else:
+        ins += ", " + ", ".join(f'"l"(desc_b + {2 * k})' for k in range(steps))
+    shape_k = 16 if kind == "f16" else 32
     lines = []
     for k in range(steps):
         scale = "p0" if k == 0 else "p1"
-        lines.append(f'"wgmma.mma_async.sync.aligned.m64n{n}k32.{dtype} {{{regs(0, acc)}}}, {a_ops[k]}, %{b_base + k}, {scale}{tail};\\n"')
+        lines.append(f'"wgmma.mma_async.sync.aligned.m64n{n}k{shape_k}.{dtype} {{{regs(0, acc)}}}, {a_ops[k]}, %{b_base + k}, {scale}{tail};\\n"')
     body = "\n      ".join(lines)
     return f"""
 // {comment}
@@ -59,7 +73,8 @@ __device__ __forceinline__ void {name}({ctype} (&d)[{acc}], {a_sig}, uint64_t de
 
 
 def main():
-    chains = [chain("s8", 128, 4), chain("s8", 128, 2), chain("e4m3", 128, 4), chain("e4m3", 64, 4)]
+    chains = [chain("s8", 128, 4), chain("s8", 128, 2), chain("e4m3", 128, 4), chain("e4m3", 64, 4),
+              chain("f16", 128, 8), chain("f16", 64, 8)]
     text = HEADER + "".join(chains) + "\n}  // namespace sage_sm90\n"
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "sm90", "wgmma.cuh")
     with open(path, "w") as f:

@@ -39,8 +39,8 @@ static bool tensor_maps_enabled() {
 
 static bool aligned16(uint64_t x) { return x % 16 == 0; }
 
-// Tensor maps of K (permuted-row halves, see k_row_of_key), Vᵀ and δK for the one-warpgroup kernel, all or
-// none: tma = 1 only when every map encodes. Keys past Nk read as zeros (the copy engine fills them), so
+// Tensor maps of K (permuted-row halves, see KeyOrder; pv16: the block's rows in natural order), Vᵀ (e4m3, or
+// fp16 in 64-key boxes) and δK for the one-warpgroup kernel, all or none: tma = 1 only when every map encodes. Keys past Nk read as zeros (the copy engine fills them), so
 // the tail block needs no special case. Strides the copy engine cannot take (not multiples of 16 bytes),
 // Nk not a multiple of 4 (K's rows are addressed as quads) or shorter than one block leave tma = 0.
 static void fill_tensor_maps(Params& q) {
@@ -50,28 +50,31 @@ static void fill_tensor_maps(Params& q) {
   const int d = q.head_dim_padded;
   const cuuint64_t batch = static_cast<cuuint64_t>(q.batch), heads = static_cast<cuuint64_t>(q.hkv);
   cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-  // Vᵀ [B, Hkv, Dp, Nkp] bytes: dims (key, d, head, batch), box 128 keys × Dp rows.
+  // Vᵀ [B, Hkv, Dp, Nkp]: dims (key, d, head, batch), box 128 keys × Dp rows of e4m3 — or, pv16, 64 keys of fp16
+  // (a box row is 128 bytes either way: the swizzle width). Strides in bytes.
   {
-    const uint64_t sd = q.v_sd, sh = outer_stride(q.v_sh, q.hkv, sd * d);
-    const uint64_t sb = outer_stride(q.v_sb, q.batch, sh * q.hkv);
+    const uint64_t elem = q.pv16 ? 2 : 1;
+    const uint64_t sd = q.v_sd * elem, sh = outer_stride(q.v_sh * elem, q.hkv, sd * d);
+    const uint64_t sb = outer_stride(q.v_sb * elem, q.batch, sh * q.hkv);
     cuuint64_t dims[4] = {static_cast<cuuint64_t>(q.nkp), static_cast<cuuint64_t>(d), heads, batch};
     cuuint64_t strides[3] = {sd, sh, sb};
-    cuuint32_t box[4] = {kBlockN, static_cast<cuuint32_t>(d), 1, 1};
+    cuuint32_t box[4] = {static_cast<cuuint32_t>(kBlockN / elem), static_cast<cuuint32_t>(d), 1, 1};
+    const CUtensorMapDataType type = q.pv16 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
     if (!aligned16(reinterpret_cast<uint64_t>(q.v)) || !aligned16(sd) || !aligned16(sh) || !aligned16(sb)) return;
-    if (encode(&q.v_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<uint8_t*>(q.v), dims, strides, box, unit,
+    if (encode(&q.v_map, type, 4, const_cast<uint8_t*>(q.v), dims, strides, box, unit,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return;
   }
   // K [B, Hkv, Nk, Dp] bytes: dims (d, r, quad, head, batch) with key = 4·quad + r; a box is one half
-  // (r ∈ {2a, 2a + 1}) of a block's 32 quads.
+  // (r ∈ {2a, 2a + 1}) of a block's 32 quads — pv16: all four r, the block's rows in natural order.
   {
     const int quads = q.nk / 4;
     const uint64_t sn = q.k_sn, sh = outer_stride(q.k_sh, q.hkv, sn * q.nk);
     const uint64_t sb = outer_stride(q.k_sb, q.batch, sh * q.hkv);
     cuuint64_t dims[5] = {static_cast<cuuint64_t>(d), 4, static_cast<cuuint64_t>(quads), heads, batch};
     cuuint64_t strides[4] = {sn, 4 * sn, sh, sb};
-    cuuint32_t box[5] = {static_cast<cuuint32_t>(d), 2, kBlockN / 4, 1, 1};
+    cuuint32_t box[5] = {static_cast<cuuint32_t>(d), q.pv16 ? 4u : 2u, kBlockN / 4, 1, 1};
     const CUtensorMapSwizzle swizzle = d == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
     if (!aligned16(reinterpret_cast<uint64_t>(q.k)) || !aligned16(sn) || !aligned16(sh) || !aligned16(sb)) return;
     if (encode(&q.k_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 5, const_cast<int8_t*>(q.k), dims, strides, box, unit,
@@ -102,16 +105,18 @@ static bool bias_vec(const void* base, int elem_bytes, int64_t sb, int64_t sh, i
 }
 
 // The instantiation for the inputs: tensor maps or cp.async, per-key or per-thread-group δK, pair epilogue,
-// score biases.
+// score biases, fp16 PV.
 template <int D, int CtasPerSm>
 static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
   Params q = p;
   fill_tensor_maps(q);
-  if (q.delta_s != nullptr || q.mask != nullptr) {
+  const bool biased = q.delta_s != nullptr || q.mask != nullptr;
+  if (biased) {
     q.ds_vec = bias_vec(q.delta_s, 4, q.ds_sb, q.ds_sh, q.ds_sr, q.ds_sk);
     q.mask_vec = bias_vec(q.mask, q.mask_bool ? 1 : 4, q.mask_sb, q.mask_sh, q.mask_sr, q.mask_sk);
-    return launch_1wg_biased(q, stream, CtasPerSm);
   }
+  if (q.pv16) return launch_1wg_pv16(q, stream, CtasPerSm);
+  if (biased) return launch_1wg_biased(q, stream, CtasPerSm);
   return launch_1wg_for_inputs<D, CtasPerSm, false>(q, stream);
 }
 
@@ -134,6 +139,10 @@ const char* launch(const Params& p, int64_t stream, int variant) {
     return "sm90 kernel: variant must be 0 (warp-specialized), 1 or 2 (one warpgroup, two or three CTAs per SM)";
   if (variant == 0 && (p.delta_s != nullptr || p.mask != nullptr))
     return "sm90 kernel: ΔS and attn_mask are read by variants 1 and 2 only";
+  if (p.pv16 && (variant == 0 || (variant == 2 && p.head_dim_padded == 128)))
+    return "sm90 kernel: fp16 PV runs on variant 1, and on variant 2 at head dim 64 only";
+  if (p.pv16 && p.k_thread_groups)
+    return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
@@ -147,8 +156,12 @@ const char* launch(const Params& p, int64_t stream, int variant) {
 }
 
 template <int D>
-static cudaError_t attributes_for(int variant, bool thread_k, bool biased, cudaFuncAttributes* attr,
+static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool pv16, cudaFuncAttributes* attr,
                                   int* dynamic_smem) {
+  if (pv16) {
+    if (variant == 0 || thread_k) return cudaErrorInvalidValue;
+    return pv16_attributes(D, variant == 1 ? 2 : 3, biased, attr, dynamic_smem);
+  }
   if (biased) {
     if (variant == 0) return cudaErrorInvalidValue;
     return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);
@@ -161,15 +174,15 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, cudaF
                       : attributes_1wg<D, 3, false>(thread_k, attr, dynamic_smem);
 }
 
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, int* regs, int* local_bytes,
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, int* regs, int* local_bytes,
                  int* dynamic_smem, int* max_threads) {
   if (variant < 0 || variant > 2) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {
-    err = attributes_for<128>(variant, thread_k, biased, &attr, dynamic_smem);
+    err = attributes_for<128>(variant, thread_k, biased, pv16, &attr, dynamic_smem);
   } else if (head_dim_padded == 64) {
-    err = attributes_for<64>(variant, thread_k, biased, &attr, dynamic_smem);
+    err = attributes_for<64>(variant, thread_k, biased, pv16, &attr, dynamic_smem);
   } else {
     return false;
   }

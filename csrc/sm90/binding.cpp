@@ -32,7 +32,7 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
                std::tuple<int, int, int, int, int, int, int, int> sizes, int causal, int causal_offset,
                bool kv_lens_int64, int out_dtype, int64_t stream, int variant, bool k_thread_groups,
-               py::object delta_s, int q_group, py::object mask, bool mask_bool) {
+               py::object delta_s, int q_group, py::object mask, bool mask_bool, bool pv16) {
   Params p{};
   p.q = pointer<const int8_t>(q);
   p.q_scale = pointer<const float>(q_scale);
@@ -65,6 +65,7 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.kv_lens_int64 = kv_lens_int64 ? 1 : 0;
   p.out_dtype = out_dtype;
   p.k_thread_groups = k_thread_groups ? 1 : 0;
+  p.pv16 = pv16 ? 1 : 0;
   p.delta_s = pointer<const float>(delta_s);
   p.ds_sb = sds[0], p.ds_sh = sds[1], p.ds_sr = sds[2], p.ds_sk = sds[3];
   p.q_group = q_group;
@@ -76,9 +77,10 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   if (err[0] != '\0') throw std::runtime_error(std::string("sage sm90 kernel launch failed: ") + err);
 }
 
-py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, bool biased) {
+py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, bool biased, bool pv16) {
   int regs = 0, local = 0, smem = 0, threads = 0;
-  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, biased, &regs, &local, &smem, &threads))
+  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, biased, pv16, &regs, &local, &smem,
+                              &threads))
     throw std::invalid_argument("sm90: no kernel for this head dim and variant (or no CUDA device)");
   py::dict d;
   d["registers"] = regs;
@@ -91,15 +93,15 @@ py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, boo
 }  // namespace
 
 PYBIND11_MODULE(_sm90, m) {
-  m.doc() = "sage.quantized_attention for sm_90a (wgmma INT8 QK, FP8 PV); see csrc/sm90/kernel.cuh";
+  m.doc() = "sage.quantized_attention for sm_90a (wgmma INT8 QK, FP8 or FP16 PV); see csrc/sm90/kernel.cuh";
   m.def("attention", &attention, py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
         py::arg("v_scale"), py::arg("v_mean"), py::arg("kv_lens"), py::arg("out"), py::arg("lse"),
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
         py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0,
         py::arg("k_thread_groups") = false, py::arg("delta_s") = py::none(), py::arg("q_group") = 1,
-        py::arg("mask") = py::none(), py::arg("mask_bool") = false);
+        py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false);
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0,
-        py::arg("k_thread_groups") = false, py::arg("biased") = false);
+        py::arg("k_thread_groups") = false, py::arg("biased") = false, py::arg("pv16") = false);
   m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas");
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;

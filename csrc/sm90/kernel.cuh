@@ -19,6 +19,10 @@
 //   occupy the tensor cores.
 // Score biases (ΔS, attn_mask): v1/v2 only, in the kBias instantiations (attention_bias.cu): every key block
 // takes the masked path and adds them after δQ·δK (softmax_scores, add_bias).
+// FP16 PV (pv = fp16, the spec's accurate option): v1/v2 only, in the kPV16 instantiations (attention_pv16.cu).
+// P̂ = fp16(P448) and V̂ fp16, eight k16 steps per block; the fp16 A fragment is the accumulator's own layout,
+// so K rows stay in natural order (KeyOrder<true>) and Vᵀ sits in two 64-key tiles of 128-byte rows per stage.
+// A stage is 1.5× an e4m3 one: D=128 runs two CTAs per SM (two stages), D=64 two or three.
 // Measured speeds and what was tried: docs/notes.md, docs/results/README.md.
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
@@ -45,6 +49,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "params.h"
 #include "wgmma.cuh"
@@ -211,12 +216,29 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return row * RowBytes + ((chunk ^ x) << 4);
 }
 
-// Shared-memory row of key n (0..127) of a block: key 16G + 4t + 2a + b goes to row 64a + 8G + 2t + b, so
-// S column c = 8i + 2t + e of the accumulator holds key key_of_column(i, t, e).
-__device__ __forceinline__ int k_row_of_key(int n) {
-  return 64 * ((n >> 1) & 1) + 8 * (n >> 4) + 2 * ((n >> 2) & 3) + (n & 1);
-}
-__device__ __forceinline__ int key_of_column(int i, int t, int e) { return 16 * (i & 7) + 4 * t + 2 * (i >> 3) + e; }
+// Where the keys of a block sit among the S columns, which decides the shared-memory row of each K row.
+// Permuted (kNatural = false; the e4m3 P operand, k32 steps): key 16G + 4t + 2a + b goes to row
+// 64a + 8G + 2t + b, so S column c = 8i + 2t + e of the accumulator holds key key_of_column(i, t, e) =
+// 16(i mod 8) + 4t + 2(i div 8) + e. Natural (kNatural = true; the fp16 P operand, k16 steps, whose A fragment is
+// the accumulator's own layout): column c holds key c.
+// A thread's 32 keys of one row come in kRuns runs of kRunKeys consecutive keys (run r from key run_start(r, t));
+// acc_index(r, c, hr) is the accumulator index of key c of run r in the thread's row hr (index 4i + 2hr + e ↔
+// row g + 8hr, column 8i + 2t + e).
+template <bool kNatural>
+struct KeyOrder {
+  static constexpr int kRuns = kNatural ? 16 : 8, kRunKeys = kNatural ? 2 : 4, kRunStride = kNatural ? 8 : 16;
+  __device__ static __forceinline__ int k_row_of_key(int n) {
+    return kNatural ? n : 64 * ((n >> 1) & 1) + 8 * (n >> 4) + 2 * ((n >> 2) & 3) + (n & 1);
+  }
+  __device__ static __forceinline__ int key_of_column(int i, int t, int e) {
+    return kNatural ? 8 * i + 2 * t + e : 16 * (i & 7) + 4 * t + 2 * (i >> 3) + e;
+  }
+  __device__ static __forceinline__ int run_start(int r, int t) { return kRunStride * r + kRunKeys * t; }
+  __device__ static __forceinline__ int acc_index(int r, int c, int hr) {
+    return kNatural ? 4 * r + 2 * hr + c : 4 * (r + 8 * (c >> 1)) + 2 * hr + (c & 1);
+  }
+};
+using PermutedKeys = KeyOrder<false>;
 
 // ---------------------------------------------------------------------------------------------------
 // Kernel
@@ -261,12 +283,12 @@ struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
 };
 
-// A score bias (ΔS or attn_mask, params.h) at this thread's two query rows. Keys 16G + 4t .. 16G + 4t + 3 of a
-// block are this thread's (key_of_column): where the host found the rows aligned (vec) and the block lies
-// inside Nk, a row's 32 values are eight 16-byte (fp32) or 4-byte (bool) loads issued back to back, else one
-// guarded load per key. A bool entry becomes 0 (attend) or −inf, so every bias is one fp32 add. `uniform`:
-// both rows read the same values (a mask broadcast over queries; ΔS with q_group a multiple of the CTA's 64
-// rows), loaded once.
+// A score bias (ΔS or attn_mask, params.h) at this thread's two query rows. The thread's keys of a block come in
+// runs of consecutive keys (KeyOrder): where the host found the rows aligned (vec) and the block lies inside Nk,
+// a row's 32 values are one vector load per run (4 keys: 16 B fp32 or 4 B bool; natural order, 2 keys: 8 B or
+// 2 B), issued back to back, else one guarded load per key. A bool entry becomes 0 (attend) or −inf, so every
+// bias is one fp32 add. `uniform`: both rows read the same values (a mask broadcast over queries; ΔS with
+// q_group a multiple of the CTA's 64 rows), loaded once.
 struct BiasRows {
   const uint8_t* row[2];  // null: no such bias, or a row past Nq
   int64_t key_stride;     // bytes
@@ -301,47 +323,55 @@ __device__ __forceinline__ ScoreBias score_bias(const Params& p, int b, int h, c
   return s;
 }
 
-// The 32 bias values of one row in block k0 (value 4G + c: key k0 + 16G + 4t + c); keys ≥ nk read as 0 (the
-// caller masks them).
+// The 32 bias values of one row in block k0 (value kRunKeys·r + c: key k0 + run_start(r, t) + c); keys ≥ nk read
+// as 0 (the caller masks them).
+template <typename Order>
 __device__ __forceinline__ void bias_values(const BiasRows& bias, const uint8_t* r, int k0, int t, int nk,
                                             float (&add)[32]) {
+  constexpr int kRuns = Order::kRuns, kRunKeys = Order::kRunKeys;
   if (bias.vec && k0 + 128 <= nk) {
     if (bias.is_bool) {
-      uint32_t keep[8];
+      uint32_t keep[kRuns];  // all loads first, then the conversions
 #pragma unroll
-      for (int grp = 0; grp < 8; ++grp) keep[grp] = __ldg(reinterpret_cast<const unsigned int*>(r + k0 + 16 * grp + 4 * t));
+      for (int run = 0; run < kRuns; ++run) {
+        const uint8_t* at = r + k0 + Order::kRunStride * run + kRunKeys * t;  // run_start, as byte offsets
+        keep[run] = kRunKeys == 4 ? __ldg(reinterpret_cast<const unsigned int*>(at))
+                                  : __ldg(reinterpret_cast<const unsigned short*>(at));
+      }
 #pragma unroll
-      for (int grp = 0; grp < 8; ++grp)
+      for (int run = 0; run < kRuns; ++run)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) add[4 * grp + c] = (keep[grp] >> (8 * c)) & 0xff ? 0.f : -INFINITY;
+        for (int c = 0; c < kRunKeys; ++c) add[kRunKeys * run + c] = (keep[run] >> (8 * c)) & 0xff ? 0.f : -INFINITY;
     } else {
-      float4 f[8];
+      using Run = std::conditional_t<kRunKeys == 4, float4, float2>;  // kRunKeys fp32 values, one load
+      Run f[kRuns];
 #pragma unroll
-      for (int grp = 0; grp < 8; ++grp)
-        f[grp] = __ldg(reinterpret_cast<const float4*>(r + 4 * static_cast<int64_t>(k0 + 16 * grp + 4 * t)));
+      for (int run = 0; run < kRuns; ++run)
+        f[run] = __ldg(reinterpret_cast<const Run*>(r + 4 * static_cast<int64_t>(k0 + Order::run_start(run, t))));
 #pragma unroll
-      for (int grp = 0; grp < 8; ++grp) {
-        add[4 * grp] = f[grp].x, add[4 * grp + 1] = f[grp].y, add[4 * grp + 2] = f[grp].z, add[4 * grp + 3] = f[grp].w;
+      for (int run = 0; run < kRuns; ++run) {
+        add[kRunKeys * run] = f[run].x, add[kRunKeys * run + 1] = f[run].y;
+        if constexpr (kRunKeys == 4) add[kRunKeys * run + 2] = f[run].z, add[kRunKeys * run + 3] = f[run].w;
       }
     }
     return;
   }
 #pragma unroll
-  for (int grp = 0; grp < 8; ++grp)
+  for (int run = 0; run < kRuns; ++run)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int key = k0 + 16 * grp + 4 * t + c;
+    for (int c = 0; c < kRunKeys; ++c) {
+      const int key = k0 + Order::run_start(run, t) + c;
       float a = 0.f;
       if (key < nk) {
         const uint8_t* at = r + key * bias.key_stride;
         a = bias.is_bool ? (__ldg(at) ? 0.f : -INFINITY) : __ldg(reinterpret_cast<const float*>(at));
       }
-      add[4 * grp + c] = a;
+      add[kRunKeys * run + c] = a;
     }
 }
 
-// sc (this thread's scores of block k0, accumulator order) += the bias: value 4G + c is column index
-// 4(G + 8a) + 2hr + e with c = 2a + e.
+// sc (this thread's scores of block k0, accumulator order) += the bias.
+template <typename Order>
 __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, int nk, float (&sc)[64]) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -349,16 +379,16 @@ __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, in
     const uint8_t* r = bias.row[hr];
     if (r == nullptr) continue;
     float add[32];
-    bias_values(bias, r, k0, t, nk, add);
+    bias_values<Order>(bias, r, k0, t, nk, add);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       if (rr != hr && !bias.uniform) continue;
 #pragma unroll
-      for (int grp = 0; grp < 8; ++grp)
+      for (int run = 0; run < Order::kRuns; ++run)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int idx = 4 * (grp + 8 * (c >> 1)) + 2 * rr + (c & 1);
-          sc[idx] = __fadd_rn(sc[idx], add[4 * grp + c]);
+        for (int c = 0; c < Order::kRunKeys; ++c) {
+          const int idx = Order::acc_index(run, c, rr);
+          sc[idx] = __fadd_rn(sc[idx], add[Order::kRunKeys * run + c]);
         }
     }
   }
@@ -369,13 +399,14 @@ __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, in
 // kThreadK: δK is one value per thread group (spec's per_thread: the thread's 32 keys 16G + 4t + j share
 // it), so S = x·(δQ·δK) takes one scale per row and block, and the per-score ×δK disappears.
 // kBias (Masked only): S = u·δQ + ΔS, then the attn_mask (add_bias), then the causal / kv_lens masks.
-template <bool Masked, bool kThreadK, bool kBias = false>
+template <bool Masked, bool kThreadK, bool kBias = false, typename Order = PermutedKeys>
 __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
                                                const int (&row)[2], const float (&q_scale_in)[2], int n_valid,
                                                int causal, int causal_offset, float (&m)[2], float (&l)[2],
                                                float (&alpha)[2], float (&sc)[64], const ScoreBias* bias = nullptr,
                                                int nk = 0, bool range_masked = true) {
   static_assert(Masked || !kBias, "a biased block takes the masked path");
+  static_assert(!(kThreadK && Order::kRunKeys != 4), "per_thread δK groups follow the permuted key order");
   float q_scale[2] = {q_scale_in[0], q_scale_in[1]};  // the factor from u to S (base-2 units)
   if constexpr (kThreadK) {
     const float ks = ks_s[4 * t];  // key 4t is in this thread's group
@@ -384,25 +415,29 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
     for (int idx = 0; idx < 64; ++idx) sc[idx] = __int2float_rn(static_cast<int>(acc[idx]));  // u = x, exact
   } else {
-  // u = x·δK[col]. Accumulator index 4i + 2hr + e ↔ row g + 8hr, column 8i + 2t + e ↔ key
-  // key_of_column(i, t, e); one float4 of δK serves the 4 keys 16G + 4t..4t+3 (columns i = G and G + 8).
+  // u = x·δK[col], column ↔ key as Order says; one vector load of δK serves a run of the thread's keys (permuted:
+  // float4, keys 16G + 4t..4t+3 in columns i = G and G + 8; natural: float2, keys 8i + 2t, 8i + 2t + 1).
   // The bits x + 0x4B400000 are the fp32 M + x (M = 1.5·2^23, |x| < 2^22), and u = (M + x)·δK − M·δK in
   // one FMA: exact when M·δK is, which spec.prepare guarantees by giving δK at most 22 significant bits
   // (spec.fma_friendly) — then this is the single rounding of x·δK, as if x were converted first.
+  constexpr int kRunKeys = Order::kRunKeys;
+  using Run = std::conditional_t<kRunKeys == 4, float4, float2>;
 #pragma unroll
-  for (int grp = 0; grp < 8; ++grp) {
-    const float4 ks4 = *reinterpret_cast<const float4*>(ks_s + 16 * grp + 4 * t);
-    const float ksv[4] = {ks4.x, ks4.y, ks4.z, ks4.w};
-    float kbias[4];
+  for (int run = 0; run < Order::kRuns; ++run) {
+    const Run ksr = *reinterpret_cast<const Run*>(ks_s + Order::run_start(run, t));
+    float ksv[kRunKeys];
+    ksv[0] = ksr.x, ksv[1] = ksr.y;
+    if constexpr (kRunKeys == 4) ksv[2] = ksr.z, ksv[3] = ksr.w;
+    float kbias[kRunKeys];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) kbias[c] = -12582912.f * ksv[c];
+    for (int c = 0; c < kRunKeys; ++c) kbias[c] = -12582912.f * ksv[c];
 #pragma unroll
-    for (int a = 0; a < 2; ++a)
+    for (int a = 0; a < kRunKeys / 2; ++a)  // key c = 2a + e of the run
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * (grp + 8 * a) + 2 * hr + e;
+          const int idx = Order::acc_index(run, 2 * a + e, hr);
           const float mx = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000);
           sc[idx] = fmaf(mx, ksv[2 * a + e], kbias[2 * a + e]);
         }
@@ -411,8 +446,8 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
   if constexpr (kBias) {  // S = u·δQ, + ΔS, + attn_mask (spec order), both rows
 #pragma unroll
     for (int idx = 0; idx < 64; ++idx) sc[idx] = __fmul_rn(sc[idx], q_scale[(idx >> 1) & 1]);
-    add_bias(bias->delta_s, k0, t, nk, sc);
-    add_bias(bias->mask, k0, t, nk, sc);
+    add_bias<Order>(bias->delta_s, k0, t, nk, sc);
+    add_bias<Order>(bias->mask, k0, t, nk, sc);
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -422,7 +457,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * i + 2 * hr + e;
-          const int key = k0 + key_of_column(i, t, e);
+          const int key = k0 + Order::key_of_column(i, t, e);
           const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
           if (!ok) sc[idx] = -INFINITY;
         }
@@ -432,7 +467,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int idx = 4 * i + 2 * hr + e;
-          const int key = k0 + key_of_column(i, t, e);
+          const int key = k0 + Order::key_of_column(i, t, e);
           const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
           sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
         }
@@ -479,6 +514,24 @@ __device__ __forceinline__ void pack_weights(const float (&sc)[64], uint32_t (&p
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
         pa[kc][2 * half + hr] = pack_e4m3x4(sc[lo + 2 * hr], sc[lo + 2 * hr + 1], sc[hi + 2 * hr], sc[hi + 2 * hr + 1]);
+    }
+}
+
+// The P operand's registers: e4m3 for four k32 steps, or fp16 (pv = fp16) for eight k16 steps.
+template <bool kPV16>
+using PRegs = uint32_t[kPV16 ? 8 : 4][4];
+
+// P̂ = fp16(P448) (round to nearest even; P448 ≤ 448 needs no saturation), in the A layout of the PV product's
+// eight k16 steps, which is the accumulator's own with natural key order (KeyOrder<true>): step kc's registers
+// are rows g and g + 8 at keys 16kc + 2t + {0, 1} (accumulator columns i = 2kc) and 16kc + 8 + 2t + {0, 1}
+// (i = 2kc + 1), the lower key in the lower half.
+__device__ __forceinline__ void pack_weights_f16(const float (&sc)[64], uint32_t (&pa)[8][4]) {
+#pragma unroll
+  for (int kc = 0; kc < 8; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const __half2 h = __floats2half2_rn(sc[8 * kc + 2 * r], sc[8 * kc + 2 * r + 1]);
+      pa[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
     }
 }
 
@@ -604,7 +657,7 @@ __device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile
     q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
 }
 
-// S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps), issued, not waited for.
+// S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps, or eight k16), issued, not waited for.
 // Each product's k32 steps are one asm statement (wgmma.cuh's _x chains), so no compiler-made register move
 // can sit between them — one such move makes ptxas serialize every wgmma of the kernel (C7513).
 template <int D>
@@ -615,9 +668,14 @@ __device__ __forceinline__ void issue_qk(uint32_t (&acc)[64], uint64_t desc_q, u
     wgmma_s8_m64n128k32_x2(acc, desc_q, desc_k);
   }
 }
-template <int D>
-__device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa)[4][4], uint64_t desc_v) {
-  if constexpr (D == 128) {
+// kPV16: eight k16 steps of fp16 over the stage's two 64-key tiles of Vᵀ (SmemLayout1).
+template <int D, bool kPV16 = false>
+__device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const PRegs<kPV16>& pa, uint64_t desc_v) {
+  if constexpr (kPV16 && D == 128) {
+    wgmma_f16_rs_m64n128k16_x8(pv, pa, desc_v);
+  } else if constexpr (kPV16) {
+    wgmma_f16_rs_m64n64k16_x8(pv, pa, desc_v);
+  } else if constexpr (D == 128) {
     wgmma_e4m3_rs_m64n128k32_x4(pv, pa, desc_v);
   } else {
     wgmma_e4m3_rs_m64n64k32_x4(pv, pa, desc_v);
@@ -626,12 +684,13 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const uint32_t (&pa
 
 // The softmax of key block k0 for rows from wg_row0 on, P̂ packed for the PV product: the masked path
 // only where a key is out of range or causally hidden for some row of the warpgroup — or, kBias, everywhere.
-template <bool kThreadK, bool kBias = false>
+template <bool kThreadK, bool kBias = false, bool kPV16 = false>
 __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
                                                  int k0, int wg_row0, int n_valid, const int (&row)[2],
                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2], uint32_t (&pa)[4][4],
+                                                 float (&alpha)[2], PRegs<kPV16>& pa,
                                                  const ScoreBias* bias = nullptr) {
+  using Order = KeyOrder<kPV16>;
 #ifdef SAGE_SASS_HOT_PATH  // tools/sass_loop.py: compile only the unmasked, in-range path to count its instructions
   constexpr bool masked = false;
 #else
@@ -639,16 +698,20 @@ __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t
 #endif
   float sc[64];
   if constexpr (kBias) {
-    softmax_scores<true, kThreadK, true>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l,
-                                         alpha, sc, bias, p.nk, masked);
+    softmax_scores<true, kThreadK, true, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
+                                                m, l, alpha, sc, bias, p.nk, masked);
   } else if (masked) {
-    softmax_scores<true, kThreadK>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha,
-                                   sc);
+    softmax_scores<true, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
+                                                 m, l, alpha, sc);
   } else {
-    softmax_scores<false, kThreadK>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset, m, l, alpha,
-                                    sc);
+    softmax_scores<false, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal,
+                                                  p.causal_offset, m, l, alpha, sc);
   }
-  pack_weights(sc, pa);
+  if constexpr (kPV16) {
+    pack_weights_f16(sc, pa);
+  } else {
+    pack_weights(sc, pa);
+  }
 }
 
 // Two-level accumulation: O = O·α + T, T a block's P̂·V̂ from a fresh accumulator.
@@ -751,29 +814,36 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t
   store_output<D>(p, o, m, l, row, t, tile.b, tile.h, tile.hk);
 }
 
-// The copies of one key block into a stage, issued by 128 threads: K rows permuted (k_row_of_key), Vᵀ rows
-// [D][128 keys], δK. Each thread's chunks sit at fixed offsets from the block's base (the row permutation
-// and the swizzle repeat every 16 rows), so the offsets are computed once; a block wholly inside Nk needs
-// no bounds checks. (Recomputing them per block held v1 at 564 instead of 678 TOPS on the H100.)
-template <int D>
+// The copies of one key block into a stage, issued by 128 threads: K rows in the key order the P operand needs
+// (KeyOrder: permuted for e4m3, natural for fp16), Vᵀ rows, δK. Vᵀ is [D][128 keys] of e4m3 — or, kPV16, two
+// tiles [D][64 keys] of fp16, so that every row is 128 bytes either way: the stage's 2D (fp16) or D rows of eight
+// chunks, row R holding keys 64·(R div D) .. of head-dim row R mod D. Each thread's chunks sit at fixed offsets
+// from the block's base (the row permutation and the swizzle repeat every 16 rows), so the offsets are computed
+// once; a block wholly inside Nk needs no bounds checks. (Recomputing them per block held v1 at 564 instead of
+// 678 TOPS on the H100.)
+template <int D, bool kPV16 = false>
 struct BlockCopier {
+  using Order = KeyOrder<kPV16>;
+  static constexpr int kVKeyBytes = kPV16 ? 2 : 1;          // bytes per key of Vᵀ
   static constexpr int kChunks = D / 16;                    // 16-byte chunks per K row
   static constexpr int kKRowsPerStep = 128 / kChunks;       // K rows (keys) covered by one pass of 128 threads
-  static constexpr int kKSmemStep = kKRowsPerStep / 2 * D;  // their shared-memory advance (k_row_of_key)
+  static constexpr int kKSmemStep = (kPV16 ? kKRowsPerStep : kKRowsPerStep / 2) * D;  // their smem advance
   static constexpr int kKSteps = kBlockN * kChunks / 128;
-  static constexpr int kVSteps = D * (kBlockN / 16) / 128;  // 16 Vᵀ rows of 8 chunks per pass
+  static constexpr int kVRows = kPV16 ? 2 * D : D;          // 128-byte rows of Vᵀ per stage
+  static constexpr int kVSteps = kVRows / 16;               // 16 rows of 8 chunks per pass
   uint32_t k_soff, v_soff;  // shared-memory byte offsets of this thread's first K and V chunk in a stage
   int k_n0, k_goff, v_goff, v_c16, lane;
 
+  // k_row: K's row stride (bytes); v_row: Vᵀ's row stride in bytes.
   __device__ __forceinline__ BlockCopier(int t, int k_row, int v_row) : lane(t) {
     k_n0 = t / kChunks;
     const int kc = t % kChunks;
-    k_soff = swizzled<D>(k_row_of_key(k_n0), kc);
+    k_soff = swizzled<D>(Order::k_row_of_key(k_n0), kc);
     k_goff = k_n0 * k_row + kc * 16;
     const int d0 = t >> 3, vc = t & 7;
     v_soff = swizzled<128>(d0, vc);
     v_goff = d0 * v_row + vc * 16;
-    v_c16 = vc * 16;
+    v_c16 = vc * 16 / kVKeyBytes;  // first key of the thread's chunk within its row's 128 bytes
   }
 
   __device__ __forceinline__ void issue(const Params& p, int k0, uint32_t dK, uint32_t dV, uint32_t dKS,
@@ -808,17 +878,24 @@ struct BlockCopier {
     }
   }
 
-  // Vᵀ rows [D][128 keys] of the block at key k0.
+  // Vᵀ rows of the block at key k0: pass i covers stage rows 16i + d0, i.e. head-dim row 16i + d0 − D·tile of
+  // tile (16i) div D (keys from 64·tile), with D a multiple of 16 so that the tile is fixed per pass.
   __device__ __forceinline__ void issue_v(const Params& p, int k0, uint32_t dV, const uint8_t* v_g, int v_row) const {
-    const uint8_t* v_blk = v_g + k0;
+    const uint8_t* v_blk = v_g + k0 * kVKeyBytes;
     if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
 #pragma unroll
-      for (int i = 0; i < kVSteps; ++i) cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + i * 16 * v_row, true);
+      for (int i = 0; i < kVSteps; ++i) {
+        const int tile = 16 * i / D;
+        cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + (16 * i - D * tile) * v_row + 128 * tile, true);
+      }
     } else {
-      const bool v_ok = k0 + v_c16 < p.nkp;
 #pragma unroll
-      for (int i = 0; i < kVSteps; ++i)
-        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + i * 16 * v_row : v_g, v_ok);
+      for (int i = 0; i < kVSteps; ++i) {
+        const int tile = 16 * i / D;
+        const bool v_ok = k0 + 64 * tile + v_c16 < p.nkp;
+        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + (16 * i - D * tile) * v_row + 128 * tile : v_g,
+                    v_ok);
+      }
     }
   }
 };
@@ -893,12 +970,13 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 // ---------------------------------------------------------------------------------------------------
 constexpr int kBlockM1 = 64;
 
-template <int D, int Stages = 3>
+// kPV16: Vᵀ in fp16, two tiles [D][64 keys] per stage (BlockCopier), twice the bytes.
+template <int D, int Stages = 3, bool kPV16 = false>
 struct SmemLayout1 {
   static constexpr int kStages = Stages;
   static constexpr int kQBytes = kBlockM1 * D;
   static constexpr int kKBytes = kBlockN * D;
-  static constexpr int kVBytes = D * kBlockN;
+  static constexpr int kVBytes = D * kBlockN * (kPV16 ? 2 : 1);
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + kQBytes;
   static constexpr int kV = kK + kStages * kKBytes;
@@ -910,9 +988,11 @@ struct SmemLayout1 {
   static constexpr int kDynamic = kBytes + 1024;
 };
 
-// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB).
-template <int D, int CtasPerSm>
+// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB). fp16 Vᵀ
+// doubles a stage's V bytes: D=128 fits two CTAs per SM with two stages, not three CTAs (0: no such kernel).
+template <int D, int CtasPerSm, bool kPV16 = false>
 __host__ __device__ constexpr int Stages1() {
+  if constexpr (kPV16) return D == 128 ? (CtasPerSm == 2 ? 2 : 0) : (CtasPerSm == 2 ? 3 : 2);
   return CtasPerSm == 2 ? 3 : (D == 128 ? 2 : 3);
 }
 
@@ -924,10 +1004,15 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // instantiations, so that neither carries the other's state through the loop. kThreadK: one δK per thread
 // group (p.k_thread_groups; built with tensor maps only — elsewhere the per-key path reads the same values).
 // kBias: ΔS and/or an attn_mask (every block on the masked path; instantiated in attention_bias.cu).
-template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false>
+// kPV16: P̂ and V̂ in fp16 (pv = fp16): K rows in natural order (KeyOrder<true>), Vᵀ as two 64-key tiles per
+// stage, eight k16 steps per block; per_thread δK is not available (its groups follow the permuted order).
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false, bool kPV16 = false>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
-  using L = SmemLayout1<D, Stages1<D, CtasPerSm>()>;
+  static_assert(!(kPV16 && kThreadK), "per_thread δK groups follow the e4m3 kernel's permuted key order");
+  using L = SmemLayout1<D, Stages1<D, CtasPerSm, kPV16>(), kPV16>;
   constexpr int kStages = L::kStages;
+  static_assert(kStages >= 2, "no such launch shape (Stages1)");
+  constexpr int kVKeyBytes = kPV16 ? 2 : 1;  // Vᵀ bytes per key
   constexpr int kOut = D / 2;
 
   extern __shared__ uint8_t smem_raw[];
@@ -943,11 +1028,11 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   const int b = tile.b, hk = tile.hk, q0 = tile.q0, n_valid = tile.n_valid, n_blocks = tile.n_blocks;
 
   const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
-  const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
+  const uint8_t* v_g = p.v + kVKeyBytes * b * p.v_sb + kVKeyBytes * hk * p.v_sh;
   const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
-  const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
+  const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd) * kVKeyBytes;
   load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
-  const BlockCopier<D> copier(tid, k_row, v_row);
+  const BlockCopier<D, kPV16> copier(tid, k_row, v_row);
   // With tensor maps thread 0 issues every copy of a block — K's two permuted halves, Vᵀ and δK — on the
   // stage's full barrier; each warp's lane 0 arrives on the stage's empty barrier once its products of the
   // block have completed, and thread 0 waits for all four before refilling the stage. No block-wide barrier
@@ -972,10 +1057,16 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     }
     const uint32_t full = sFull + 8 * s;
     if (j >= kStages) mbarrier_wait(sEmpty + 8 * s, (j / kStages - 1) & 1);
-    mbarrier_expect_tx(full, 2 * kBlockN * D + kBlockN * 4);
-    tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
-    tma_load_5d(dK + 64 * D, &p.k_map, full, 0, 2, k0 / 4, hk, b);
-    tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
+    mbarrier_expect_tx(full, kBlockN * D + L::kVBytes + kBlockN * 4);
+    if constexpr (kPV16) {  // K in natural order: one box of 4 × 32 quads; Vᵀ: two 64-key fp16 boxes
+      tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
+      tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
+      tma_load_4d(dV + 128 * D, &p.v_map, full, k0 + 64, 0, hk, b);
+    } else {
+      tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
+      tma_load_5d(dK + 64 * D, &p.k_map, full, 0, 2, k0 / 4, hk, b);
+      tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
+    }
     tma_load_3d(dKS, &p.ks_map, full, k0, hk, b);
   };
   auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
@@ -1010,7 +1101,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
   float alpha[2];
-  uint32_t pa[4][4];
+  PRegs<kPV16> pa;
 
   for (int j = 0; j < n_blocks; ++j) {
     if constexpr (by_map) {
@@ -1031,11 +1122,11 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     if (by_map && tid == 0 && j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
     wgmma_wait<0>();
     fence_registers(acc);
-    softmax_block_at<kThreadK, kBias>(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l, alpha,
-                                      pa, &bias);
+    softmax_block_at<kThreadK, kBias, kPV16>(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l,
+                                             alpha, pa, &bias);
     float pv[kOut];
     wgmma_fence();
-    issue_pv<D>(pv, pa, v_desc(j));
+    issue_pv<D, kPV16>(pv, pa, v_desc(j));
     wgmma_commit();
     wgmma_wait<0>();
     if (by_map && lane == 0) mbarrier_arrive(sEmpty + 8 * (j % kStages));  // this warp is done with the stage

@@ -14,7 +14,7 @@ struct Params {
   const float* q_scale;    // [B, Hq, Nq] fp32 (includes softmax scale · log2 e)
   const int8_t* k;         // [B, Hkv, Nk, Dp] int8
   const float* k_scale;    // [B, Hkv, Nk] fp32
-  const uint8_t* v;        // [B, Hkv, Dp, Nkp] e4m3 bytes (Vᵀ), Nkp a multiple of 16, zero past Nk
+  const uint8_t* v;        // [B, Hkv, Dp, Nkp] e4m3 (or fp16: pv16) Vᵀ, Nkp a multiple of 16, zero past Nk
   const float* v_scale;    // [B, Hkv, Dp] fp32
   const float* v_mean;     // [B, Hkv, Dp] fp32 or null
   const void* kv_lens;     // [B] int32 / int64 or null
@@ -35,6 +35,7 @@ struct Params {
   int kv_lens_int64;
   int out_dtype;      // OutDtype
   int k_thread_groups;  // 1: k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
+  int pv16;             // 1: V̂ is fp16 (pv = fp16; strides in elements) and P̂ is rounded to fp16, not e4m3
   // Score biases, added to S = x·δQ·δK in the spec's order: ΔS (smooth_q; fp32 [B, Hq, ceil(Nq/q_group), Nk],
   // base-2 units; query row r reads row r / q_group), then attn_mask ([B|1, Hq|1, Nq|1, Nk]: fp32 added, base-2
   // units, or bool, false → −inf). Element strides (0 where broadcast); null when absent. launch() sets the
@@ -47,8 +48,9 @@ struct Params {
   int mask_bool;
   int ds_vec, mask_vec;
   // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
-  // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows), Vᵀ (4-D:
-  // key, d, head, batch) and δK (3-D: key, head, batch).
+  // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of
+  // the block's rows in natural order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK
+  // (3-D: key, head, batch).
   int tma;
   CUtensorMap k_map;  // 64-byte aligned by its type, as a kernel parameter must be
   CUtensorMap v_map;
@@ -58,12 +60,13 @@ struct Params {
 // Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.
 // variant 0: warp-specialized (producer + two ping-pong consumer warpgroups, 128 rows per CTA; no score
 // biases); variants 1, 2: one warpgroup per CTA (64 rows, two or three CTAs per SM). Same function (block_n 128).
+// pv16 runs on variant 1 at D=128 and on variants 1, 2 at D=64.
 const char* launch(const Params& p, int64_t stream, int variant);
 
 // Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
 // one padded head dim (thread_k: the per_thread δK instantiation; biased: the one that reads ΔS / attn_mask,
-// variants 1 and 2 only); false when that head dim has no kernel.
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, int* regs, int* local_bytes,
+// variants 1 and 2 only; pv16: the fp16-PV one); false when there is no such kernel.
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, int* regs, int* local_bytes,
                  int* dynamic_smem, int* max_threads);
 
 }  // namespace sage_sm90

@@ -1,11 +1,12 @@
-"""Native Hopper kernel (``sage_compile._sm90``, csrc/sm90/attention.cu): wgmma INT8 QKᵀ + FP8 PV.
+"""Native Hopper kernel (``sage_compile._sm90``, csrc/sm90/attention.cu): wgmma INT8 QKᵀ + FP8 or FP16 PV.
 
 Same function as the spec's oracle with ``block_n = BLOCK_N`` (128), computed like the Triton kernel's
-FAST path. It covers INT8 Q/K with K smoothing (per-token or per_thread δK), FP8 V, optional V smoothing,
+FAST path. It covers INT8 Q/K with K smoothing (per-token or per_thread δK), FP8 V — or FP16 V and P̂
+(pv='fp16': the one-warpgroup shapes, per-token δK; csrc/sm90/attention_pv16.cu) —, optional V smoothing,
 ΔS (smooth_q) and an ``attn_mask`` (bool or fp32, any strides: the one-warpgroup launch shapes, every key
 block on the masked path), causal in both alignments, GQA, kv_lens, LSE; inputs it does not cover — FP16
-PV, head dims other than 64/128 after padding — get a reason from ``supports`` and the dispatcher moves on
-to the Triton kernel. Importing fails when the extension is not built.
+PV with per_thread δK, head dims other than 64/128 after padding — get a reason from ``supports`` and the
+dispatcher moves on to the Triton kernel. Importing fails when the extension is not built.
 """
 from __future__ import annotations
 
@@ -29,12 +30,24 @@ HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
 # at 168 registers it spills a few O registers (~70 bytes of L1-resident local traffic per key block).
 VARIANTS = tuple(_sm90.VARIANTS)
 DEFAULT_VARIANT = {64: 2, 128: 2}  # padded head dim → launch variant
+# pv='fp16' (csrc/sm90/attention_pv16.cu): an fp16 stage of Vᵀ is twice an e4m3 one, so D=128 fits two CTAs per
+# SM (variant 1), not three; D=64 has both and takes three, like e4m3 (not yet measured against two).
+DEFAULT_VARIANT_PV16 = {64: 2, 128: 1}
+PV16_VARIANTS = {64: (1, 2), 128: (1,)}  # the launch shapes with an fp16-PV instantiation
+# The fp16-PV instantiations were written and compile-checked in session 12 while no GPU was lent: until the GPU
+# tests (tests/gpu/test_sm90_kernel.py, "fp16") have passed on an H100/H200, the dispatcher leaves pv='fp16' to
+# the Triton kernel unless SAGE_SM90_PV16=1 (the tests set it). Set True once they pass.
+PV16_VALIDATED = False
 
 
-def variant(padded_head_dim: int) -> int:
+def pv16_enabled() -> bool:
+    return PV16_VALIDATED or os.environ.get("SAGE_SM90_PV16", "").strip() == "1"
+
+
+def variant(padded_head_dim: int, pv16: bool = False) -> int:
     text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
     if not text:
-        return DEFAULT_VARIANT[padded_head_dim]
+        return (DEFAULT_VARIANT_PV16 if pv16 else DEFAULT_VARIANT)[padded_head_dim]
     if text not in [str(i) for i in range(len(VARIANTS))]:
         choices = ", ".join(f"{i} ({name})" for i, name in enumerate(VARIANTS))
         raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected one of {choices}")
@@ -64,17 +77,27 @@ def supports(args: KernelArgs) -> Optional[str]:
         return f"built for sm_90a (Hopper); this GPU is sm{cap[0]}{cap[1]}"
     if args.q.dtype != torch.int8 or args.k.dtype != torch.int8:
         return f"q/k must be int8 (got {args.q.dtype}, {args.k.dtype})"
-    if args.v.dtype != torch.float8_e4m3fn:
-        return f"v must be float8_e4m3fn (pv='fp8'); got {args.v.dtype}"
+    if args.v.dtype not in (torch.float8_e4m3fn, torch.float16):
+        return f"v must be float8_e4m3fn (pv='fp8') or float16 (pv='fp16'); got {args.v.dtype}"
     dp = args.q.shape[-1]
     if dp not in HEAD_DIMS:
         return f"padded head dim {dp} not in {HEAD_DIMS}"
+    pv16 = args.v.dtype == torch.float16
+    if pv16 and not pv16_enabled():
+        return ("pv='fp16' on sm90 is built but not yet validated on a GPU (PV16_VALIDATED); SAGE_SM90_PV16=1 "
+                "enables it")
+    if pv16 and args.k_thread_groups:
+        return ("pv='fp16' with per_thread δK: the fp16 P operand reads keys in natural order, not in the order "
+                "the per_thread groups follow (use per_token K, or the Triton kernel)")
+    if pv16 and variant(dp, True) not in PV16_VARIANTS[dp]:
+        return (f"pv='fp16' at padded head dim {dp} runs on launch variant(s) {PV16_VARIANTS[dp]} "
+                f"(SAGE_SM90_VARIANT={variant(dp, True)})")
     mask_reason = mask_problem(args)
     if mask_reason is not None:
         return mask_reason
     if args.delta_s is not None and args.delta_s.dtype != torch.float32:
         return f"delta_s must be float32 (got {args.delta_s.dtype})"
-    if (args.delta_s is not None or args.attn_mask is not None) and variant(dp) == 0:
+    if (args.delta_s is not None or args.attn_mask is not None) and variant(dp, pv16) == 0:
         return "ΔS (smooth_q) and attn_mask are read by the one-warpgroup launch shapes only (SAGE_SM90_VARIANT=0)"
     if args.out_dtype not in _OUT_DTYPES:
         return f"out dtype {args.out_dtype} not supported"
@@ -86,11 +109,11 @@ def supports(args: KernelArgs) -> Optional[str]:
         t = getattr(args, name)
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
-        if t is not None and t.dtype not in (torch.int8, torch.float8_e4m3fn) and t.dtype != torch.float32:
+        if t is not None and name not in ("q", "k", "v") and t.dtype != torch.float32:
             return f"{name} must be float32 (got {t.dtype})"
     if not (_aligned(args.q, 2) and _aligned(args.k, 2) and _aligned(args.v, 2)):
         return "q/k/v rows must be 16-byte aligned"
-    if args.k.stride(2) * 128 >= 2**31 or args.v.stride(2) * args.v.shape[2] >= 2**31:
+    if args.k.stride(2) * 128 >= 2**31 or args.v.stride(2) * args.v.element_size() * args.v.shape[2] >= 2**31:
         return "k/v row strides too large for the kernel's 32-bit in-block offsets"
     if args.v.shape[-1] % 16:
         return f"v's key dim must be padded to a multiple of 16 (got {args.v.shape[-1]})"
@@ -113,6 +136,7 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if batch == 0 or hq == 0 or n_q == 0:
         return
+    pv16 = args.v.dtype == torch.float16
     strides = {name: _strides(getattr(args, name)) for name in
                ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
     strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
@@ -130,18 +154,18 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
-        variant=variant(dp) if launch_variant is None else launch_variant, k_thread_groups=args.k_thread_groups,
+        variant=variant(dp, pv16) if launch_variant is None else launch_variant, k_thread_groups=args.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.q_group, mask=ptr(args.attn_mask),
-        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool,
+        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=pv16,
     )
 
 
 def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False,
-                biased: bool = False) -> dict:
+                biased: bool = False, pv16: bool = False) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
     (``k_thread_groups``: the instantiation for per_thread δK; ``biased``: the one that reads ΔS / attn_mask,
-    variants 1 and 2; variants 1 and 2: the instantiation with the pair epilogue, which bf16 outputs with a
+    variants 1 and 2; ``pv16``: the fp16-PV one, PV16_VARIANTS; variants 1 and 2: the instantiation with the pair epilogue, which bf16 outputs with a
     contiguous, unpadded head dim take)."""
-    chosen = variant(padded_head_dim) if launch_variant is None else launch_variant
-    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased), variant=VARIANTS[chosen],
-                k_thread_groups=k_thread_groups, biased=biased)
+    chosen = variant(padded_head_dim, pv16) if launch_variant is None else launch_variant
+    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased, pv16), variant=VARIANTS[chosen],
+                k_thread_groups=k_thread_groups, biased=biased, pv16=pv16)
