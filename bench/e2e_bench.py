@@ -2,7 +2,10 @@
 backend="sage" (prep fused by Inductor + quantized kernel), same run, same inputs; plus the prep alone
 against its memory floor, and accuracy on ANCHORS.md's three distributions.
 
-    python -m bench.e2e_bench [--n 1024,4096] [--d 128,64] [--causal 0,1]
+    python -m bench.e2e_bench [--n 1024,4096] [--d 128,64] [--causal 0,1] [--pv fp16]
+
+``--pv fp16``: every sage column runs SageConfig(pv="fp16") (the prep columns stay the fp8 prep); the sm90
+kernel's fp16 instantiations need SAGE_SM90_PV16=1 until validated, else the Triton kernel runs them.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
 (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
@@ -134,6 +137,7 @@ def _main(argv=None):
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--static", action="store_true", help="compile sage and the prep per shape too")
     ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--pv", default="fp8", choices=["fp8", "fp16"], help="SageConfig.pv of every sage column")
     opts = ap.parse_args(argv)
     ns = [int(x) for x in opts.n.split(",")]
     import triton
@@ -144,11 +148,12 @@ def _main(argv=None):
     bandwidth = copy_bandwidth()
     results = dict(static=opts.static, device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
-                   sage_kernel={}, env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT")})
-    sage_cfg = SageConfig(min_seq_len=0)
+                   sage_kernel={}, pv=opts.pv,
+                   env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT", "SAGE_SM90_PV16")})
+    sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
     for d in (int(x) for x in opts.d.split(",")):
         heads = SHAPES[d]
-        kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), "fp8", torch.bfloat16)
+        kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), opts.pv, torch.bfloat16)
         results["sage_kernel"][f"d{d}"] = kernel  # which quantized-attention kernel these rows timed
         compiled, compiled_pt = {}, {}
         for causal in (bool(int(c)) for c in opts.causal.split(",")):
@@ -195,7 +200,7 @@ def _main(argv=None):
         if not opts.no_accuracy and {0, 1} <= {int(c) for c in opts.causal.split(",")}:
             results["accuracy"] += _accuracy(compiled, d) + _accuracy(compiled_pt, d, "per_thread")
 
-    name = "e2e_bench_static.json" if opts.static else "e2e_bench.json"
+    name = ("e2e_bench_static" if opts.static else "e2e_bench") + ("" if opts.pv == "fp8" else f"_pv_{opts.pv}") + ".json"
     path = os.path.join(os.environ.get("OUT") or "docs/results", name)
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

@@ -177,6 +177,8 @@ def main(argv=None):
     rows, sweep = [], []
     quant = spec.Quantization()
     quant_pt = spec.Quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
+    quant_16 = spec.Quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (issue 4's accuracy bar)
+    pv16 = sm90 is not None and sm90.pv16_enabled()
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
@@ -184,6 +186,7 @@ def main(argv=None):
             sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
             prepared = [spec.prepare(q, k, v, d ** -0.5, quant) for q, k, v in sets]
             prepared_pt = [spec.prepare(q, k, v, d ** -0.5, quant_pt) for q, k, v in sets] if sm90 else []
+            prepared_16 = [spec.prepare(q, k, v, d ** -0.5, quant_16) for q, k, v in sets] if pv16 else []
             t_prep = _bench_ms(_rotating([lambda s=s: spec.prepare(*s, d ** -0.5, quant) for s in sets]))
             out, lse = _outputs(batch, heads, n, d)
             for causal in opts.causals:
@@ -210,11 +213,18 @@ def main(argv=None):
                     kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
                     t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
                     row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9, sm90_pt_variant=sm90.variant(d))
+                if pv16:  # the same inputs with pv='fp16': sm90 (its default fp16 launch shape) and Triton
+                    kargs_16 = [_kernel_args(p, causal, d) for p in prepared_16]
+                    t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
+                    t_t16 = _time_triton(tk, kargs_16, out, lse)
+                    row.update(sm90_pv16_ms=t_16, sm90_pv16_tops=ops / t_16 / 1e9,
+                               sm90_pv16_variant=sm90.variant(d, True), triton_pv16_ms=t_t16,
+                               triton_pv16_tops=ops / t_t16 / 1e9)
                 if not opts.no_sdpa:
                     _time_sdpa(row, sets, causal, ops)
                 rows.append(row)
                 print(_fmt_row(row, printed_columns(sm90)), flush=True)
-            del sets, prepared, prepared_pt, out, lse
+            del sets, prepared, prepared_pt, prepared_16, out, lse
             torch.cuda.empty_cache()
 
     best = {}
@@ -239,7 +249,7 @@ def main(argv=None):
             print(f"  D{k[0]} causal{k[1]} N{k[2]}: {v['config']} {v['tops']:.0f} TOPS")
     print("TOPS (kernel only; e2e = eager spec.prepare + kernel)")
     columns = printed_columns(sm90)
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c[5:] or 'sm90':>8}" for c in columns)
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{_short(c):>8}" for c in columns)
           + f" {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} {'prep ms':>8}  config")
     for r in rows:
         print(_fmt_row(r, columns))
@@ -255,8 +265,16 @@ def sm90_columns(sm90):
 
 def printed_columns(sm90):
     """The sm90 columns of the table: every launch variant, then 'sm90_pt' (the default variant on
-    per_thread δK, k_granularity='per_thread')."""
-    return sm90_columns(sm90) + ("sm90_pt",) if sm90 else ()
+    per_thread δK, k_granularity='per_thread'), then — where the fp16-PV kernels are enabled — 'sm90_pv16' and
+    'triton_pv16' (pv='fp16', each kernel's default shape)."""
+    if not sm90:
+        return ()
+    return sm90_columns(sm90) + ("sm90_pt",) + (("sm90_pv16", "triton_pv16") if sm90.pv16_enabled() else ())
+
+
+def _short(column):
+    """Table header of a column: 'sm90', then the sm90 columns without the prefix; 'triton_pv16' → 't_pv16'."""
+    return "sm90" if column == "sm90" else column.replace("sm90_", "").replace("triton_", "t_")
 
 
 def _table_config_text(tk, d, causal, long_n):

@@ -150,6 +150,8 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {thresholds.MEASURED_MASKED_ON}"
     else:
         source = f"measured on {thresholds.MEASURED_ON}"
+    if config.min_seq_len is None and config.pv != "fp8":
+        source += f"; measured with pv='fp8': pv={config.pv!r} has no thresholds of its own yet"
     if threshold == thresholds.NEVER:
         what = "mask" if mask is not None else "head dim/causality"  # NEVER comes from the tables only
         return f"SDPA is faster here at every key length for this {what} ({source})"
