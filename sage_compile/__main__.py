@@ -31,8 +31,9 @@ def doctor(_args) -> int:
             cap = torch.cuda.get_device_capability(device)
             label += f" {torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]}"
         for head_dim in (64, 128):
-            kernel, reasons = dispatch.kernel_for_site(device, spec.padded_head_dim(head_dim), "fp8", torch.bfloat16)
-            print(f"{label}: head_dim {head_dim} bf16 → {kernel or 'SDPA (no sage kernel)'}  {reasons or ''}")
+            for pv in spec.PV_DTYPES:  # fp8 (the default) and fp16 (SageConfig(pv="fp16"))
+                kernel, reasons = dispatch.kernel_for_site(device, spec.padded_head_dim(head_dim), pv, torch.bfloat16)
+                print(f"{label}: head_dim {head_dim} bf16 pv={pv} → {kernel or 'SDPA (no sage kernel)'}  {reasons or ''}")
     return 0
 
 

@@ -127,3 +127,17 @@ def test_import_changes_no_global_state():
 
 def test_public_surface():
     assert set(sage_compile.__all__) >= {"SageConfig", "compile", "sage_attention", "explain"}
+
+
+def test_doctor_lists_kernels_and_each_devices_choice(capsys):
+    """`python -m sage_compile doctor`: which kernels import, and the kernel each device gets per head dim and PV
+    type (on this CPU machine: the C++ reference, with the GPU kernels' reasons)."""
+    from sage_compile.__main__ import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel cpu        available" in out
+    for head_dim in (64, 128):
+        for pv in ("fp8", "fp16"):
+            line = next(l for l in out.splitlines() if l.startswith(f"cpu: head_dim {head_dim} bf16 pv={pv} → "))
+            assert line.split(" → ")[1].split()[0] == "cpu", line
