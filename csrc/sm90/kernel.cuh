@@ -237,6 +237,11 @@ struct KeyOrder {
   __device__ static __forceinline__ int acc_index(int r, int c, int hr) {
     return kNatural ? 4 * r + 2 * hr + c : 4 * (r + 8 * (c >> 1)) + 2 * hr + (c & 1);
   }
+  using RunFloats = std::conditional_t<kNatural, float2, float4>;  // one run of fp32 values: one vector load
+  __device__ static __forceinline__ void unpack(const RunFloats& f, float* out) {
+    out[0] = f.x, out[1] = f.y;
+    if constexpr (!kNatural) out[2] = f.z, out[3] = f.w;
+  }
 };
 using PermutedKeys = KeyOrder<false>;
 
@@ -343,16 +348,13 @@ __device__ __forceinline__ void bias_values(const BiasRows& bias, const uint8_t*
 #pragma unroll
         for (int c = 0; c < kRunKeys; ++c) add[kRunKeys * run + c] = (keep[run] >> (8 * c)) & 0xff ? 0.f : -INFINITY;
     } else {
-      using Run = std::conditional_t<kRunKeys == 4, float4, float2>;  // kRunKeys fp32 values, one load
+      using Run = typename Order::RunFloats;
       Run f[kRuns];
 #pragma unroll
       for (int run = 0; run < kRuns; ++run)
         f[run] = __ldg(reinterpret_cast<const Run*>(r + 4 * static_cast<int64_t>(k0 + Order::run_start(run, t))));
 #pragma unroll
-      for (int run = 0; run < kRuns; ++run) {
-        add[kRunKeys * run] = f[run].x, add[kRunKeys * run + 1] = f[run].y;
-        if constexpr (kRunKeys == 4) add[kRunKeys * run + 2] = f[run].z, add[kRunKeys * run + 3] = f[run].w;
-      }
+      for (int run = 0; run < kRuns; ++run) Order::unpack(f[run], add + kRunKeys * run);
     }
     return;
   }
@@ -421,13 +423,10 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
   // one FMA: exact when M·δK is, which spec.prepare guarantees by giving δK at most 22 significant bits
   // (spec.fma_friendly) — then this is the single rounding of x·δK, as if x were converted first.
   constexpr int kRunKeys = Order::kRunKeys;
-  using Run = std::conditional_t<kRunKeys == 4, float4, float2>;
 #pragma unroll
   for (int run = 0; run < Order::kRuns; ++run) {
-    const Run ksr = *reinterpret_cast<const Run*>(ks_s + Order::run_start(run, t));
     float ksv[kRunKeys];
-    ksv[0] = ksr.x, ksv[1] = ksr.y;
-    if constexpr (kRunKeys == 4) ksv[2] = ksr.z, ksv[3] = ksr.w;
+    Order::unpack(*reinterpret_cast<const typename Order::RunFloats*>(ks_s + Order::run_start(run, t)), ksv);
     float kbias[kRunKeys];
 #pragma unroll
     for (int c = 0; c < kRunKeys; ++c) kbias[c] = -12582912.f * ksv[c];
@@ -1012,7 +1011,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   using L = SmemLayout1<D, Stages1<D, CtasPerSm, kPV16>(), kPV16>;
   constexpr int kStages = L::kStages;
   static_assert(kStages >= 2, "no such launch shape (Stages1)");
-  constexpr int kVKeyBytes = kPV16 ? 2 : 1;  // Vᵀ bytes per key
+  constexpr int kVKeyBytes = BlockCopier<D, kPV16>::kVKeyBytes;  // Vᵀ bytes per key
   constexpr int kOut = D / 2;
 
   extern __shared__ uint8_t smem_raw[];

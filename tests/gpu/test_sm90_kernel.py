@@ -7,7 +7,6 @@ out [B, N, H, D] (strided), as the op allocates them.
 """
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
@@ -37,13 +36,9 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True, scope="module")
 def fp16_pv_enabled():
     """The fp16-PV kernels are opt-in until these tests have passed on a GPU (sm90.PV16_VALIDATED)."""
-    old = os.environ.get("SAGE_SM90_PV16")
-    os.environ["SAGE_SM90_PV16"] = "1"
-    yield
-    if old is None:
-        del os.environ["SAGE_SM90_PV16"]
-    else:
-        os.environ["SAGE_SM90_PV16"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SAGE_SM90_PV16", "1")
+        yield
 
 
 VARIANTS = list(range(len(sm90.VARIANTS)))  # launch shapes of one function (sage_compile/kernels/sm90.py)
@@ -132,7 +127,7 @@ def test_fp16_pv_matches_oracle(variant, causal, data):
     fp16 stage does not fit three CTAs per SM), so its draws are padded to head dim 64."""
     case = data.draw(biased_cases(causal)) if data.draw(st.booleans()) else data.draw(cases(causal))
     case = dict(case, pv="fp16", k_granularity="per_token")
-    if 128 not in [d for d, v in PV16_CASES if v == variant]:
+    if variant not in sm90.PV16_VARIANTS[128]:
         case["d"] = data.draw(st.sampled_from([40, 64]))
     assert_matches_oracle(make_case(**case), variant)
 
