@@ -11,12 +11,12 @@ at D = 64); 3 input sets rotated. Bias kinds:
   delta_s       smooth_q=True (ΔS [B,H,N/128,N]), no mask.
 
     python -m bench.bias_bench [--n 1024,4096,16384] [--d 128] [--kinds key_padding,additive,bool_full,delta_s]
-    python -m bench.bias_bench --e2e [--n ...] [--d ...]   # end to end, masked: rope → SDPA(attn_mask)
+    python -m bench.bias_bench --e2e [--n ...] [--d ...] [--pv fp16]   # end to end, masked: rope → SDPA(attn_mask)
 
 --e2e times a compiled ``rope(q), rope(k) → SDPA(attn_mask=mask)`` (bench/e2e_bench.py's block with a mask) with
 backend="inductor" (per shape) and sage (fused rope prep, dynamic=True, min_seq_len=0) for the key_padding mask
 as a model passes it ([B,1,1,N] bool) and the additive one ([B,1,N,N] fp32): the masked-site thresholds of
-sage_compile/thresholds.py.
+sage_compile/thresholds.py; ``--pv fp16`` runs sage with SageConfig(pv="fp16") (thresholds.MEASURED_PV16).
 
 Prints a table last; writes $OUT/bias_bench.json (else docs/results/bias_bench.json).
 """
@@ -103,7 +103,7 @@ def e2e(opts):
     for d in opts.ds:
         heads = SHAPES[d]
         for kind in ("key_padding", "additive"):
-            sage = sage_compile.compile(masked_block, config=SageConfig(min_seq_len=0), dynamic=True)
+            sage = sage_compile.compile(masked_block, config=SageConfig(min_seq_len=0, pv=opts.pv), dynamic=True)
             for n in opts.ns:
                 batch = max(1, TOKENS // n)
                 sets = [make_inputs(batch, n, heads, d, seed) + (model_mask(kind, batch, n, seed),)
@@ -133,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--d", default="128")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--pv", default="fp8", choices=("fp8", "fp16"), help="sage's P·V type (--e2e)")
     opts = ap.parse_args(argv)
     opts.ns, opts.ds = [int(x) for x in opts.n.split(",")], [int(x) for x in opts.d.split(",")]
     import triton
@@ -141,8 +142,9 @@ def main(argv=None):
         with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
             rows = e2e(opts)
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                      time=time.strftime("%Y-%m-%d %H:%M"), tokens=TOKENS, sets=N_SETS, rows=rows)
-        with open(os.path.join(os.environ.get("OUT") or "docs/results", "bias_e2e.json"), "w") as f:
+                      time=time.strftime("%Y-%m-%d %H:%M"), tokens=TOKENS, sets=N_SETS, pv=opts.pv, rows=rows)
+        name = "bias_e2e_pv_fp16.json" if opts.pv == "fp16" else "bias_e2e.json"
+        with open(os.path.join(os.environ.get("OUT") or "docs/results", name), "w") as f:
             json.dump(result, f, indent=1)
         return
 
@@ -178,7 +180,7 @@ def main(argv=None):
             del sets
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  time=time.strftime("%Y-%m-%d %H:%M"), tokens=TOKENS, sets=N_SETS, rows=rows)
+                  time=time.strftime("%Y-%m-%d %H:%M"), tokens=TOKENS, sets=N_SETS, pv=opts.pv, rows=rows)
     path = os.path.join(os.environ.get("OUT") or "docs/results", "bias_bench.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

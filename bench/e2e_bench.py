@@ -4,8 +4,8 @@ against its memory floor, and accuracy on ANCHORS.md's three distributions.
 
     python -m bench.e2e_bench [--n 1024,4096] [--d 128,64] [--causal 0,1] [--pv fp16]
 
-``--pv fp16``: every sage column runs SageConfig(pv="fp16") (the prep columns stay the fp8 prep); the sm90
-kernel's fp16 instantiations need SAGE_SM90_PV16=1 until validated, else the Triton kernel runs them.
+``--pv fp16``: every sage column runs SageConfig(pv="fp16", min_seq_len=0) (the prep columns stay the fp8
+prep): the thresholds would otherwise keep those sites on SDPA.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
 (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
@@ -149,7 +149,7 @@ def _main(argv=None):
     results = dict(static=opts.static, device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
                    sage_kernel={}, pv=opts.pv,
-                   env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT", "SAGE_SM90_PV16")})
+                   env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT")})
     sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
     for d in (int(x) for x in opts.d.split(",")):
         heads = SHAPES[d]

@@ -178,7 +178,7 @@ def main(argv=None):
     quant = spec.Quantization()
     quant_pt = spec.Quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
     quant_16 = spec.Quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (issue 4's accuracy bar)
-    pv16 = sm90 is not None and sm90.pv16_enabled()
+    pv16 = sm90 is not None
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
@@ -265,11 +265,11 @@ def sm90_columns(sm90):
 
 def printed_columns(sm90):
     """The sm90 columns of the table: every launch variant, then 'sm90_pt' (the default variant on
-    per_thread δK, k_granularity='per_thread'), then — where the fp16-PV kernels are enabled — 'sm90_pv16' and
-    'triton_pv16' (pv='fp16', each kernel's default shape)."""
+    per_thread δK, k_granularity='per_thread'), then 'sm90_pv16' and 'triton_pv16' (pv='fp16', each
+    kernel's default shape)."""
     if not sm90:
         return ()
-    return sm90_columns(sm90) + ("sm90_pt",) + (("sm90_pv16", "triton_pv16") if sm90.pv16_enabled() else ())
+    return sm90_columns(sm90) + ("sm90_pt", "sm90_pv16", "triton_pv16")
 
 
 def _short(column):

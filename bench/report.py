@@ -195,6 +195,47 @@ def _bias_tables() -> list:
     return lines
 
 
+def _pv16_tables() -> list:
+    """Session 13/14: the sm90 kernel's fp16-PV instantiations (pv='fp16', issue 4's accuracy bar) on the H100."""
+    kernel = _load("kernel_bench_h100_s13.json")
+    if not kernel:
+        return []
+    info = kernel["info"]
+    cols = ("sm90", "sm90_1wg", "sm90_3cta", "sm90_pt", "sm90_pv16", "triton_pv16", "triton", "cudnn", "flash")
+    lines = [f"## FP16 PV (`pv=\"fp16\"`, sessions 13-14) — {info['device']}, torch {info['torch']}, triton {info['triton']}",
+             "", "Kernel only (`kernel_bench_h100_s13.json`, one run): the e4m3 sm90 launch shapes v0/v1/v2 and v2 on "
+             "per_thread δK, then the fp16-PV kernels (sm90: v1 at D=128, v2 at D=64; Triton), then SDPA. TOPS:", "",
+             "| D | causal | N | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
+    for r in kernel["rows"]:
+        lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | "
+                     + " | ".join(f"**{r[c + '_tops']:.0f}**" if c == "sm90_pv16" else f"{r[c + '_tops']:.0f}" for c in cols) + " |")
+    lines += ["", "Accuracy of the sm90 fp16-PV kernel vs fp32 SDPA (B=1, H=8, N=4096, D=128; tests/gpu, "
+              "`accuracy_sm90_pv_fp16_causal*_h100_s13.json`):", "",
+              "| causal | distribution | cosine | rel. L1 | bf16 SDPA cosine | bf16 SDPA rel. L1 |", "|---|---|---|---|---|---|"]
+    for causal in (0, 1):
+        acc = _load(f"accuracy_sm90_pv_fp16_causal{causal}_h100_s13.json")
+        for name, a in (acc or {}).get("results", {}).items():
+            k, b = a["sm90_pv_fp16"], a["sdpa_bf16"]
+            lines.append(f"| {causal} | {name} | {k['cos']:.6f} | {k['rel_l1']:.4f} | {b['cos']:.6f} | {b['rel_l1']:.4f} |")
+    lines.append("")
+    for source, title in (("e2e_bench_pv_fp16_h100_s13.json", "End to end with pv='fp16', D=128 (session 13)"),
+                          ("e2e_bench_pv_fp16_d64_h100_s14.json", "End to end with pv='fp16', D=64 (session 14)")):
+        data = _load(source)
+        if data:
+            lines += _e2e_table(data, title) + [""]
+    masked = _load("bias_e2e_pv_fp16_h100_s14.json")
+    if masked:
+        lines += [f"### End to end with pv='fp16' and a mask — {masked['device']}, torch {masked['torch']} (session 14)", "",
+                  "`bias_e2e_pv_fp16_h100_s14.json` (`python -m bench.bias_bench --e2e --pv fp16`); "
+                  "thresholds.MEASURED_PV16_KEY_MASK comes from it.", "",
+                  "| D | N | mask | inductor TOPS | sage TOPS | speed-up |", "|---|---|---|---|---|---|"]
+        for r in masked["rows"]:
+            lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
+                         f"{r['speedup']:.2f} |")
+        lines.append("")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -281,6 +322,7 @@ def main() -> int:
     lines += _builds_table("sm90_persistent_ab_h100_s10.json",
                            "sm90 on a persistent grid, copies streamed across tiles (session 10, not kept)")
     lines += _bias_tables()
+    lines += _pv16_tables()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [

@@ -140,20 +140,22 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
-        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity, mask)
+        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity, mask,
+                                           config.pv)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
     if config.min_seq_len is not None:
         source = "min_seq_len"
     elif mask is not None:
-        source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {thresholds.MEASURED_MASKED_ON}"
+        measured_on = thresholds.MEASURED_PV16_ON if config.pv == "fp16" else thresholds.MEASURED_MASKED_ON
+        source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
+    elif config.pv == "fp16":
+        source = thresholds.MEASURED_PV16_ON
     else:
         source = f"measured on {thresholds.MEASURED_ON}"
-    if config.min_seq_len is None and config.pv != "fp8":
-        source += f"; measured with pv='fp8': pv={config.pv!r} has no thresholds of its own yet"
     if threshold == thresholds.NEVER:
-        what = "mask" if mask is not None else "head dim/causality"  # NEVER comes from the tables only
+        what = "mask" if mask is not None else "pv" if config.pv == "fp16" else "head dim/causality"  # tables only
         return f"SDPA is faster here at every key length for this {what} ({source})"
     if n_k < threshold:
         return f"SDPA is faster here: key length {n_k} < {int(threshold)} ({source})"

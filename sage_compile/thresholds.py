@@ -64,6 +64,29 @@ MEASURED_KEY_MASK = {
     (9, 64): 4096,
 }
 MEASURED_MASKED_ON = "measured on the H200 (sm90), docs/results/bias_e2e_h200_s11.json"
+
+# pv='fp16' (fp16 P̂ and V̂: the setting that meets issue 4's accuracy bar), session 13, H100, the sm90 kernel's
+# kPV16 instantiations. Kernel alone (docs/results/kernel_bench_h100_s13.json), TOPS sm90 pv16 / cuDNN at 4K and
+# 16K: D=128 552/628, 538/624 (causal 488/548, 558/589); D=64 414/467, 431/462 (causal 365/418, 393/457).
+# End to end with the fused rope prep (docs/results/e2e_bench_pv_fp16_h100_s13.json), sage / inductor, D=128
+# 4K/16K/32K: 0.80, 0.94, 0.93 (causal 0.74, 0.89, 0.94); D=64 (session 14, e2e_bench_pv_fp16_d64_h100_s14.json)
+# 4K/16K: 0.84, 0.90 (causal 0.76, 0.88). Behind cuDNN at every length and both head dims: such sites stay SDPA
+# unless SageConfig.min_seq_len says otherwise.
+MEASURED_PV16 = {
+    (9, 128, False): NEVER,
+    (9, 128, True): NEVER,
+    (9, 64, False): NEVER,
+    (9, 64, True): NEVER,
+}
+# pv='fp16' with an attn_mask (session 14, H100, `bias_bench --e2e --pv fp16`, bias_e2e_pv_fp16_h100_s14.json),
+# sage / inductor at 1K/4K/16K: key padding [B,1,1,N] D=128 0.78, 0.96, 1.07; D=64 0.85, 1.02, 1.06 → from 16K
+# (4K is level, inside the spread; 8K not measured); an additive fp32 mask per query 0.70-0.81 → never; a bool
+# mask per query: the unmasked pv16 table (never).
+MEASURED_PV16_KEY_MASK = {
+    (9, 128): 16384,
+    (9, 64): 16384,
+}
+MEASURED_PV16_ON = "pv='fp16' measured on the H100 (sm90), docs/results/e2e_bench_pv_fp16_h100_s13.json, bias_e2e_pv_fp16_h100_s14.json"
 MASK_ROWS_TEXT = {"keys": "a mask shared by all queries (key padding)", "bool": "a bool mask per query",
                   "float": "an additive fp32 mask per query"}
 
@@ -77,10 +100,11 @@ def mask_rows(mask) -> str:
 
 
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
-                mask=None) -> float:
+                mask=None, pv: str = "fp8") -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
-    measured sm90 table (per_thread K: its own, faster kernel; a site with an attn_mask: the masked
-    measurements above); other archs borrow sm90's entry until measured; unmeasured shapes: 0."""
+    measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
+    own, faster kernel; a site with an attn_mask: the masked measurements above); other archs borrow sm90's entry until
+    measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
@@ -88,7 +112,12 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
     if rows == "float":
         return NEVER
     if rows == "keys":
-        return MEASURED_KEY_MASK.get((major, padded_head_dim), MEASURED_KEY_MASK.get((9, padded_head_dim), 0))
-    table = MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED
-    key = (major, padded_head_dim, causal)
-    return table.get(key, table.get((9, padded_head_dim, causal), 0))
+        table = MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK
+        return table.get((major, padded_head_dim), table.get((9, padded_head_dim), 0))
+    if pv == "fp16":
+        return _lookup(MEASURED_PV16, major, padded_head_dim, causal)
+    return _lookup(MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED, major, padded_head_dim, causal)
+
+
+def _lookup(table, major, padded_head_dim, causal) -> float:
+    return table.get((major, padded_head_dim, causal), table.get((9, padded_head_dim, causal), 0))

@@ -111,3 +111,31 @@ def test_masked_threshold_reasons_name_the_mask(monkeypatch):
         reason = sdpa_is_faster(AttentionCall(q, q, q, attn_mask=mask), SageConfig())
         assert words in reason and "bias_e2e" in reason, reason
     assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig())
+
+def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
+    """pv='fp16' runs a slower kernel (half-rate P·V) with its own measured tables — unmasked and key padding —
+    and explain() names that measurement; min_seq_len still overrides it; CPU never waits."""
+    from sage_compile import SageConfig, thresholds
+    from sage_compile.support import AttentionCall, sdpa_is_faster
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    padding = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    for (_, d, causal), threshold in thresholds.MEASURED_PV16.items():
+        assert thresholds.min_seq_len(cuda, d, causal, pv="fp16") == threshold
+        assert thresholds.min_seq_len(cuda, d, causal, mask=padding, pv="fp16") == thresholds.MEASURED_PV16_KEY_MASK[(9, d)]
+        assert thresholds.min_seq_len(cuda, d, causal, mask=torch.zeros(2, 1, 64, 64), pv="fp16") == thresholds.NEVER
+        assert thresholds.MEASURED_PV16_KEY_MASK[(9, d)] >= thresholds.MEASURED_KEY_MASK[(9, d)]  # never earlier
+    assert thresholds.min_seq_len(torch.device("cpu"), 128, False, pv="fp16") == 0
+    real = thresholds.min_seq_len
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda device, *a, **k: real(cuda, *a, **k))
+    q = torch.empty(1, 2, 32768, 128, device="meta")
+    reason = sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16"))
+    assert "every key length for this pv" in reason and "e2e_bench_pv_fp16" in reason, reason
+    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16", min_seq_len=0)) is None
+    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig()) is None  # fp8 at 32K: sage
+    padded = torch.ones(1, 1, 1, 32768, dtype=torch.bool)
+    assert sdpa_is_faster(AttentionCall(q, q, q, attn_mask=padded), SageConfig(pv="fp16")) is None  # ≥ 16K
+    short = torch.empty(1, 2, 4096, 128, device="meta")
+    reason = sdpa_is_faster(AttentionCall(short, short, short, attn_mask=padded[..., :4096]), SageConfig(pv="fp16"))
+    assert "key length 4096 < 16384" in reason and "bias_e2e_pv_fp16" in reason, reason

@@ -34,14 +34,9 @@ DEFAULT_VARIANT = {64: 2, 128: 2}  # padded head dim → launch variant
 # SM (variant 1), not three; D=64 has both and takes three, like e4m3 (not yet measured against two).
 DEFAULT_VARIANT_PV16 = {64: 2, 128: 1}
 PV16_VARIANTS = {64: (1, 2), 128: (1,)}  # the launch shapes with an fp16-PV instantiation
-# The fp16-PV instantiations were written and compile-checked in session 12 while no GPU was lent: until the GPU
-# tests (tests/gpu/test_sm90_kernel.py, "fp16") have passed on an H100/H200, the dispatcher leaves pv='fp16' to
-# the Triton kernel unless SAGE_SM90_PV16=1 (the tests set it). Set True once they pass.
-PV16_VALIDATED = False
-
-
-def pv16_enabled() -> bool:
-    return PV16_VALIDATED or os.environ.get("SAGE_SM90_PV16", "").strip() == "1"
+# Written in session 12 without a GPU; its GPU tests (tests/gpu/test_sm90_kernel.py, "fp16") passed on the H100 in
+# session 13. Speed (H100, docs/results/kernel_bench_h100_s13.json): 0.81-0.92x cuDNN at D=128, so the
+# thresholds keep pv='fp16' sites on SDPA by default (thresholds.MEASURED_PV16).
 
 
 def variant(padded_head_dim: int, pv16: bool = False) -> int:
@@ -83,9 +78,6 @@ def supports(args: KernelArgs) -> Optional[str]:
     if dp not in HEAD_DIMS:
         return f"padded head dim {dp} not in {HEAD_DIMS}"
     pv16 = args.v.dtype == torch.float16
-    if pv16 and not pv16_enabled():
-        return ("pv='fp16' on sm90 is built but not yet validated on a GPU (PV16_VALIDATED); SAGE_SM90_PV16=1 "
-                "enables it")
     if pv16 and args.k_thread_groups:
         return ("pv='fp16' with per_thread δK: the fp16 P operand reads keys in natural order, not in the order "
                 "the per_thread groups follow (use per_token K, or the Triton kernel)")

@@ -33,14 +33,6 @@ from sage_compile.kernels import triton as tk  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, scope="module")
-def fp16_pv_enabled():
-    """The fp16-PV kernels are opt-in until these tests have passed on a GPU (sm90.PV16_VALIDATED)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SAGE_SM90_PV16", "1")
-        yield
-
-
 VARIANTS = list(range(len(sm90.VARIANTS)))  # launch shapes of one function (sage_compile/kernels/sm90.py)
 BIASED_VARIANTS = [1, 2]  # the one-warpgroup shapes read ΔS and attn_mask
 PV16_CASES = [(d, v) for d, variants in sm90.PV16_VARIANTS.items() for v in variants]  # (padded D, variant)
