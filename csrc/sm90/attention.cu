@@ -124,6 +124,9 @@ template <int D>
 static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant) {
   if (variant == 1) return launch_1wg<D, 2>(p, stream);
   if (variant == 2) return launch_1wg<D, 3>(p, stream);
+  if constexpr (D == 64) {
+    if (variant == 3) return launch_1wg<D, 4>(p, stream);
+  }
   static unsigned configured = 0;
   constexpr int kSmem = SmemLayout<D>::kDynamic;
   cudaError_t err = allow_smem(attention_kernel<D>, kSmem, configured);
@@ -135,11 +138,12 @@ static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant)
 
 const char* launch(const Params& p, int64_t stream, int variant) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
-  if (variant < 0 || variant > 2)
-    return "sm90 kernel: variant must be 0 (warp-specialized), 1 or 2 (one warpgroup, two or three CTAs per SM)";
+  if (variant < 0 || variant > 3)
+    return "sm90 kernel: variant must be 0 (warp-specialized), 1, 2 or 3 (one warpgroup, 2/3/4 CTAs per SM)";
+  if (variant == 3 && p.head_dim_padded != 64) return "sm90 kernel: variant 3 (four CTAs per SM) exists at D=64 only";
   if (variant == 0 && (p.delta_s != nullptr || p.mask != nullptr))
     return "sm90 kernel: ΔS and attn_mask are read by variants 1 and 2 only";
-  if (p.pv16 && (variant == 0 || (variant == 2 && p.head_dim_padded == 128)))
+  if (p.pv16 && (variant == 0 || variant == 3 || (variant == 2 && p.head_dim_padded == 128)))
     return "sm90 kernel: fp16 PV runs on variant 1, and on variant 2 at head dim 64 only";
   if (p.pv16 && p.k_thread_groups)
     return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
@@ -164,11 +168,15 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool 
   }
   if (biased) {
     if (variant == 0) return cudaErrorInvalidValue;
-    return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);
+    return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);  // v3: v2's biased kernels
   }
   if (variant == 0) {
     *dynamic_smem = SmemLayout<D>::kDynamic;
     return cudaFuncGetAttributes(attr, attention_kernel<D>);
+  }
+  if (variant == 3) {  // four CTAs per SM: D=64 only (launch() refuses the rest)
+    if constexpr (D == 64) return attributes_1wg<D, 4, false>(thread_k, attr, dynamic_smem);
+    return cudaErrorInvalidValue;
   }
   return variant == 1 ? attributes_1wg<D, 2, false>(thread_k, attr, dynamic_smem)
                       : attributes_1wg<D, 3, false>(thread_k, attr, dynamic_smem);
@@ -176,7 +184,7 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool 
 
 bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, int* regs, int* local_bytes,
                  int* dynamic_smem, int* max_threads) {
-  if (variant < 0 || variant > 2) return false;
+  if (variant < 0 || variant > 3) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {

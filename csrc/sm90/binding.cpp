@@ -102,7 +102,7 @@ PYBIND11_MODULE(_sm90, m) {
         py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false);
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0,
         py::arg("k_thread_groups") = false, py::arg("biased") = false, py::arg("pv16") = false);
-  m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas");
+  m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas", "one_warpgroup_4ctas");
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;
 }

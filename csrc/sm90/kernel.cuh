@@ -987,8 +987,9 @@ struct SmemLayout1 {
   static constexpr int kDynamic = kBytes + 1024;
 };
 
-// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB). fp16 Vᵀ
-// doubles a stage's V bytes: D=128 fits two CTAs per SM with two stages, not three CTAs (0: no such kernel).
+// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB; four
+// CTAs per SM at D=64: 4 × (55856 + 1024 reserved) bytes). fp16 Vᵀ doubles a stage's V bytes: D=128 fits two
+// CTAs per SM with two stages, not three CTAs (0: no such kernel).
 template <int D, int CtasPerSm, bool kPV16 = false>
 __host__ __device__ constexpr int Stages1() {
   if constexpr (kPV16) return D == 128 ? (CtasPerSm == 2 ? 2 : 0) : (CtasPerSm == 2 ? 3 : 2);

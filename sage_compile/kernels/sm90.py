@@ -38,6 +38,12 @@ PV16_VARIANTS = {64: (1, 2), 128: (1,)}  # the launch shapes with an fp16-PV ins
 # session 13. Speed (H100, docs/results/kernel_bench_h100_s13.json): 0.81-0.92x cuDNN at D=128, so the
 # thresholds keep pv='fp16' sites on SDPA by default (thresholds.MEASURED_PV16).
 
+VARIANT_HEAD_DIMS = {3: (64,)}  # variant 3 (four CTAs per SM, 128 registers) fits at D=64 only
+
+
+def variant_covers(launch_variant: int, padded_head_dim: int) -> bool:
+    return padded_head_dim in VARIANT_HEAD_DIMS.get(launch_variant, HEAD_DIMS)
+
 
 def variant(padded_head_dim: int, pv16: bool = False) -> int:
     text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
@@ -89,6 +95,8 @@ def supports(args: KernelArgs) -> Optional[str]:
         return mask_reason
     if args.delta_s is not None and args.delta_s.dtype != torch.float32:
         return f"delta_s must be float32 (got {args.delta_s.dtype})"
+    if not variant_covers(variant(dp, pv16), dp):
+        return f"SAGE_SM90_VARIANT={variant(dp, pv16)} has no kernel at padded head dim {dp}"
     if (args.delta_s is not None or args.attn_mask is not None) and variant(dp, pv16) == 0:
         return "ΔS (smooth_q) and attn_mask are read by the one-warpgroup launch shapes only (SAGE_SM90_VARIANT=0)"
     if args.out_dtype not in _OUT_DTYPES:
