@@ -134,9 +134,11 @@ def main(argv=None):
     kernels = []
     if sm90 is not None and sm90.supports(real) is None:
         for variant, name in enumerate(sm90.VARIANTS):
+            if not sm90.variant_covers(variant, d):
+                continue
             for label, a in (("random", real), ("zero K,V", zero)):
                 kernels.append((f"sm90 v{variant} {name}", label, lambda a=a, v=variant: sm90.run(a, out, lse, v)))
-        default = sm90.variant(d)
+        default = sm90.variant(d, k_thread_groups=True)
         for label, a in (("random", real_pt), ("zero K,V", zero_pt)):
             kernels.append((f"sm90 v{default} per_thread K", label, lambda a=a: sm90.run(a, out, lse, default)))
     for label, a in (("random", real), ("zero K,V", zero)):

@@ -154,7 +154,8 @@ def main(argv=None):
     sm90 = _load_sm90()
 
     info = dict(sm90_kernel=({f"{d}/v{v}{'/per_thread_k' if pt else ''}": sm90.kernel_info(d, v, pt)
-                              for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)}
+                              for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)
+                              if sm90.variant_covers(v, d)}
                              if sm90 else None),
                 device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
@@ -207,12 +208,14 @@ def main(argv=None):
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
                 if sm90 is not None and sm90.supports(kargs[0]) is None:
                     for v, key in enumerate(sm90_columns(sm90)):  # the launch shapes
+                        if not sm90.variant_covers(v, d):
+                            continue
                         t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse, v=v: sm90.run(a, o, s, v)
                                                       for a in kargs]))
                         row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
                     kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
                     t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
-                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9, sm90_pt_variant=sm90.variant(d))
+                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9, sm90_pt_variant=sm90.variant(d, k_thread_groups=True))
                 if pv16:  # the same inputs with pv='fp16': sm90 (its default fp16 launch shape) and Triton
                     kargs_16 = [_kernel_args(p, causal, d) for p in prepared_16]
                     t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
@@ -258,7 +261,7 @@ def main(argv=None):
 
 def sm90_columns(sm90):
     """Launch variant i of the sm90 kernel → its column ('sm90' for variant 0, 'sm90_<name>' after)."""
-    short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta"}
+    short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta", "one_warpgroup_4ctas": "4cta"}
     names = [short.get(v, v.replace("one_warpgroup", "1wg").replace("_3ctas", "_3cta")) for v in sm90.VARIANTS]
     return tuple("sm90" + (f"_{n}" if n else "") for n in names)
 

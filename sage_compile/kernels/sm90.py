@@ -23,13 +23,18 @@ NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
 HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
 # Launch shapes of one function: 0 = warp-specialized (producer + two ping-pong consumer warpgroups,
-# 128 rows per CTA); 1, 2 = one warpgroup per CTA (64 rows) with two or three CTAs per SM.
-# SAGE_SM90_VARIANT pins one; by default each head dim gets the shape measured fastest there (H100,
-# docs/results/sm90_history_h100.json): three CTAs per SM at both head dims — +12-17% over two at D=64,
-# and at D=128 +8-12% over two since the one-warpgroup kernels copy by tensor map (runs 17-20), although
-# at 168 registers it spills a few O registers (~70 bytes of L1-resident local traffic per key block).
+# 128 rows per CTA); 1, 2, 3 = one warpgroup per CTA (64 rows) with two, three or four CTAs per SM (3: D=64 only,
+# 128 registers). SAGE_SM90_VARIANT pins one; by default each head dim and δK granularity gets the shape
+# measured fastest there (H100): three CTAs per SM for per-token δK at both head dims — +12-17% over two at
+# D=64 (docs/results/sm90_history_h100.json), and at D=128 +8-12% over two since the one-warpgroup kernels copy
+# by tensor map (runs 17-20), although at 168 registers it spills a few O registers (~70 bytes of L1-resident
+# local traffic per key block); four at D=64 with per_thread δK — +6-10% over three at 2K-32K, causal +1-9%
+# (session 14, sm90_variants_d64_h100_s14.json; 16 bytes of spill) — while per-token δK loses 5-8% there
+# (88 bytes of spill) and keeps three.
 VARIANTS = tuple(_sm90.VARIANTS)
-DEFAULT_VARIANT = {64: 2, 128: 2}  # padded head dim → launch variant
+DEFAULT_VARIANT = {64: 2, 128: 2}  # padded head dim → launch variant (per-token δK, e4m3 PV)
+DEFAULT_VARIANT_PER_THREAD_K = {64: 3, 128: 2}
+VARIANT_HEAD_DIMS = {3: (64,)}  # variant 3 (four CTAs per SM, 128 registers) fits at D=64 only
 # pv='fp16' (csrc/sm90/attention_pv16.cu): an fp16 stage of Vᵀ is twice an e4m3 one, so D=128 fits two CTAs per
 # SM (variant 1), not three; D=64 has both and takes three, like e4m3 (not yet measured against two).
 DEFAULT_VARIANT_PV16 = {64: 2, 128: 1}
@@ -38,17 +43,16 @@ PV16_VARIANTS = {64: (1, 2), 128: (1,)}  # the launch shapes with an fp16-PV ins
 # session 13. Speed (H100, docs/results/kernel_bench_h100_s13.json): 0.81-0.92x cuDNN at D=128, so the
 # thresholds keep pv='fp16' sites on SDPA by default (thresholds.MEASURED_PV16).
 
-VARIANT_HEAD_DIMS = {3: (64,)}  # variant 3 (four CTAs per SM, 128 registers) fits at D=64 only
-
 
 def variant_covers(launch_variant: int, padded_head_dim: int) -> bool:
     return padded_head_dim in VARIANT_HEAD_DIMS.get(launch_variant, HEAD_DIMS)
 
 
-def variant(padded_head_dim: int, pv16: bool = False) -> int:
+def variant(padded_head_dim: int, pv16: bool = False, k_thread_groups: bool = False) -> int:
     text = os.environ.get("SAGE_SM90_VARIANT", "").strip()
     if not text:
-        return (DEFAULT_VARIANT_PV16 if pv16 else DEFAULT_VARIANT)[padded_head_dim]
+        defaults = DEFAULT_VARIANT_PV16 if pv16 else DEFAULT_VARIANT_PER_THREAD_K if k_thread_groups else DEFAULT_VARIANT
+        return defaults[padded_head_dim]
     if text not in [str(i) for i in range(len(VARIANTS))]:
         choices = ", ".join(f"{i} ({name})" for i, name in enumerate(VARIANTS))
         raise ValueError(f"SAGE_SM90_VARIANT={text!r}: expected one of {choices}")
@@ -95,9 +99,10 @@ def supports(args: KernelArgs) -> Optional[str]:
         return mask_reason
     if args.delta_s is not None and args.delta_s.dtype != torch.float32:
         return f"delta_s must be float32 (got {args.delta_s.dtype})"
-    if not variant_covers(variant(dp, pv16), dp):
-        return f"SAGE_SM90_VARIANT={variant(dp, pv16)} has no kernel at padded head dim {dp}"
-    if (args.delta_s is not None or args.attn_mask is not None) and variant(dp, pv16) == 0:
+    chosen = variant(dp, pv16, args.k_thread_groups)
+    if not variant_covers(chosen, dp):
+        return f"SAGE_SM90_VARIANT={chosen} has no kernel at padded head dim {dp}"
+    if (args.delta_s is not None or args.attn_mask is not None) and chosen == 0:
         return "ΔS (smooth_q) and attn_mask are read by the one-warpgroup launch shapes only (SAGE_SM90_VARIANT=0)"
     if args.out_dtype not in _OUT_DTYPES:
         return f"out dtype {args.out_dtype} not supported"
@@ -154,7 +159,8 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
         out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
-        variant=variant(dp, pv16) if launch_variant is None else launch_variant, k_thread_groups=args.k_thread_groups,
+        variant=variant(dp, pv16, args.k_thread_groups) if launch_variant is None else launch_variant,
+        k_thread_groups=args.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.q_group, mask=ptr(args.attn_mask),
         mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=pv16,
     )
@@ -164,8 +170,9 @@ def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_th
                 biased: bool = False, pv16: bool = False) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
     (``k_thread_groups``: the instantiation for per_thread δK; ``biased``: the one that reads ΔS / attn_mask,
-    variants 1 and 2; ``pv16``: the fp16-PV one, PV16_VARIANTS; variants 1 and 2: the instantiation with the pair epilogue, which bf16 outputs with a
-    contiguous, unpadded head dim take)."""
-    chosen = variant(padded_head_dim, pv16) if launch_variant is None else launch_variant
+    variants 1-3, variant 3 running variant 2's; ``pv16``: the fp16-PV one, PV16_VARIANTS; variants 1-3: the
+    instantiation with the pair epilogue, which bf16 outputs with a contiguous, unpadded head dim take). The
+    default variant is the one ``run`` picks for those inputs."""
+    chosen = variant(padded_head_dim, pv16, k_thread_groups) if launch_variant is None else launch_variant
     return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased, pv16), variant=VARIANTS[chosen],
                 k_thread_groups=k_thread_groups, biased=biased, pv16=pv16)

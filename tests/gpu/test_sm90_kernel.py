@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
@@ -34,6 +34,7 @@ pytestmark = pytest.mark.gpu
 
 
 VARIANTS = list(range(len(sm90.VARIANTS)))  # launch shapes of one function (sage_compile/kernels/sm90.py)
+VARIANT_DS = [(v, d) for v in VARIANTS for d in sm90.HEAD_DIMS if sm90.variant_covers(v, d)]  # v3: D=64 only
 BIASED_VARIANTS = [1, 2]  # the one-warpgroup shapes read ΔS and attn_mask
 PV16_CASES = [(d, v) for d, variants in sm90.PV16_VARIANTS.items() for v in variants]  # (padded D, variant)
 
@@ -75,7 +76,9 @@ def cases(draw, causal):
 @settings(max_examples=15)
 @given(data=st.data())
 def test_matches_oracle(variant, causal, data):
-    assert_matches_oracle(make_case(**data.draw(cases(causal))), variant)
+    case = data.draw(cases(causal))
+    assume(sm90.variant_covers(variant, spec.padded_head_dim(case["d"])))
+    assert_matches_oracle(make_case(**case), variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -85,7 +88,9 @@ def test_matches_oracle(variant, causal, data):
 def test_per_thread_k_scales_match_oracle(variant, causal, data):
     """k_granularity='per_thread': the one-warpgroup kernels read one δK per thread and block (tensor-map
     instantiation), the others every key's (the same values)."""
-    assert_matches_oracle(make_case(**data.draw(cases(causal)), k_granularity="per_thread"), variant)
+    case = data.draw(cases(causal))
+    assume(sm90.variant_covers(variant, spec.padded_head_dim(case["d"])))
+    assert_matches_oracle(make_case(**case, k_granularity="per_thread"), variant)
 
 
 @st.composite
@@ -195,8 +200,7 @@ def test_cuda_graph_replay_reads_the_mask_at_replay():
     assert_close_to_oracle(args, out, lse, sm90.BLOCK_N, "replay after new mask values")
 
 
-@pytest.mark.parametrize("variant", [1, 2])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant,d", [(v, d) for v, d in VARIANT_DS if v])
 def test_per_thread_path_reads_one_scale_per_group(variant, d):
     """Proof that the per_thread instantiation runs (and reads key 128b + 4t's δK for group (b, t)): with
     the promise deliberately broken, its output is the oracle's on the representatives' δK, not on the
@@ -212,13 +216,16 @@ def test_per_thread_path_reads_one_scale_per_group(variant, d):
 
 
 def test_per_thread_instantiation_fits_without_spills():
+    """The default per_thread shapes: three CTAs per SM at D=128 without spills; four at D=64 (128 registers),
+    measured faster than three although ptxas spills 16 bytes there (bounded so growth is noticed)."""
     for d in sm90.HEAD_DIMS:
         info = sm90.kernel_info(d, k_thread_groups=True)
-        assert info["local_bytes"] == 0 and info["registers"] <= 168, info
+        assert info["variant"] == sm90.VARIANTS[sm90.DEFAULT_VARIANT_PER_THREAD_K[d]]
+        assert info["local_bytes"] <= (16 if info["variant"] == "one_warpgroup_4ctas" else 0), info
+        assert info["registers"] <= 168, info
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant,d", VARIANT_DS)
 @pytest.mark.parametrize("causal", [0, 1, 2])
 def test_long_sequence_wraps_the_pipeline(variant, d, causal):
     """Many more key blocks than pipeline stages (every stage's barrier phase wraps several times)."""
@@ -258,12 +265,15 @@ def test_variants_agree():
     """Launch shapes of one function: each output row goes through the same operations in the same
     order (a causal warpgroup's extra fully masked blocks are exact no-ops), so the results should be equal;
     allow a few fp32 roundings in case the two compiled loops contract differently."""
-    args = make_case(2, 4, 2, 300, 517, 128, causal=2, smooth_v=True, seed=9)
-    out0, lse0 = run_sm90(args, 0)
-    for variant in VARIANTS[1:]:
-        out, lse = run_sm90(args, variant)
-        assert torch.allclose(lse0, lse, rtol=1e-6, atol=1e-6), variant
-        assert rel_l1(out0, out) < 1e-5, variant
+    for d in sm90.HEAD_DIMS:
+        for k_granularity in ("per_token", "per_thread"):
+            args = make_case(2, 4, 2, 300, 517, d, causal=2, smooth_v=True, seed=9, k_granularity=k_granularity)
+            out0, lse0 = run_sm90(args, 0)
+            for variant in VARIANTS[1:]:
+                if sm90.variant_covers(variant, d):
+                    out, lse = run_sm90(args, variant)
+                    assert torch.allclose(lse0, lse, rtol=1e-6, atol=1e-6), (d, k_granularity, variant)
+                    assert rel_l1(out0, out) < 1e-5, (d, k_granularity, variant)
 
 
 @pytest.mark.parametrize("causal", [0, 2])
@@ -279,8 +289,7 @@ def test_agrees_with_triton_kernel(causal):
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant,d", VARIANT_DS)
 def test_pair_epilogue_equals_elementwise(variant, d):
     """bf16 output with a contiguous head dim takes the pair epilogue (one δV/μV load and one bf16x2 store per
     two elements); the same output with a strided head dim the element-wise one. Same values, bit for bit."""
@@ -306,7 +315,8 @@ def test_no_keys_and_empty_rows():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cuda_graph_replay_equals_eager(variant):
-    args = make_case(2, 8, 2, 500, 700, 128, causal=1, smooth_v=True, seed=11)
+    d = 128 if sm90.variant_covers(variant, 128) else 64
+    args = make_case(2, 8, 2, 500, 700, d, causal=1, smooth_v=True, seed=11)
     eager_out, eager_lse = run_sm90(args, variant)
     out, lse = poisoned_outputs(args)
     graph = torch.cuda.CUDAGraph()
@@ -315,7 +325,7 @@ def test_cuda_graph_replay_equals_eager(variant):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-    fresh = make_case(2, 8, 2, 500, 700, 128, causal=1, smooth_v=True, seed=12)
+    fresh = make_case(2, 8, 2, 500, 700, d, causal=1, smooth_v=True, seed=12)
     for name in ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean"):
         getattr(args, name).copy_(getattr(fresh, name))
     out.fill_(math.nan)
@@ -348,6 +358,10 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
     monkeypatch.setenv("SAGE_SM90_VARIANT", "2")  # no three-CTA fp16 kernel at D=128
     assert "variant" in sm90.supports(fp16) and dispatch.choose(fp16)[0].NAME == "triton"
     monkeypatch.delenv("SAGE_SM90_VARIANT")
+    monkeypatch.setenv("SAGE_SM90_VARIANT", "3")  # four CTAs per SM: D=64 only
+    assert "no kernel at padded head dim 128" in sm90.supports(args) and dispatch.choose(args)[0].NAME == "triton"
+    assert sm90.supports(make_case(1, 2, 1, 64, 64, 64)) is None
+    monkeypatch.delenv("SAGE_SM90_VARIANT")
     big = make_case(1, 1, 1, 8, 8, 256)
     assert "head dim" in sm90.supports(big)
 
@@ -360,10 +374,9 @@ def test_kernel_info_reports_resources():
         info = sm90.kernel_info(d)
         assert info["variant"] == sm90.VARIANTS[sm90.DEFAULT_VARIANT[d]]
         assert info["local_bytes"] <= (0 if d == 64 else 64), info
-    for variant in VARIANTS:
-        for d in sm90.HEAD_DIMS:
-            info = sm90.kernel_info(d, variant)
-            assert info["registers"] <= 255 and info["threads"] >= 128, info
+    for variant, d in VARIANT_DS:
+        info = sm90.kernel_info(d, variant)
+        assert info["registers"] <= 255 and info["threads"] >= 128, info
 
 
 def test_biased_instantiations_report_resources():
