@@ -236,6 +236,28 @@ def _pv16_tables() -> list:
     return lines
 
 
+def _d64_four_ctas_tables() -> list:
+    """Session 14: sm90 variant 3 (four CTAs per SM, D=64) beside v1/v2 (tools/sm90_variants.py), then end to end."""
+    data = _load("sm90_variants_d64_h100_s14.json")
+    if not data:
+        return []
+    names = {str(v): f"v{v}" for v in data["variants"]}
+    lines = [f"## D=64 on four CTAs per SM (sm90 variant 3, session 14) — {data['device']}, torch {data['torch']}", "",
+             "`sm90_variants_d64_h100_s14.json` (`python tools/sm90_variants.py --variants 1,2,3 --d 64`): the same "
+             "inputs through each launch shape, best of 2 interleaved rounds, outputs bit-equal across shapes. TOPS:", "",
+             "| causal | K | N | " + " | ".join(names.values()) + " | SDPA cuDNN | bit-equal |",
+             "|---|---|---|" + "---|" * (len(names) + 2)]
+    for r in data["rows"]:
+        lines.append(f"| {r['causal']} | {r['k']} | {r['n']} | " + " | ".join(f"{r['tops'][v]:.0f}" for v in names)
+                     + f" | {r['cudnn_tops']:.0f} | {r['bit_equal']} |")
+    lines += ["", "Resources: " + "; ".join(f"{k} {i['registers']} registers, {i['local_bytes']} B local"
+                                           for k, i in data["kernel_info"].items()), ""]
+    e2e = _load("e2e_bench_d64_h100_s14.json")
+    if e2e:
+        lines += _e2e_table(e2e, "End to end at D=64 with per_thread δK on four CTAs per SM (session 14)") + [""]
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -323,6 +345,7 @@ def main() -> int:
                            "sm90 on a persistent grid, copies streamed across tiles (session 10, not kept)")
     lines += _bias_tables()
     lines += _pv16_tables()
+    lines += _d64_four_ctas_tables()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
