@@ -215,7 +215,8 @@ def main(argv=None):
                         row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
                     kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
                     t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
-                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9, sm90_pt_variant=sm90.variant(d, k_thread_groups=True))
+                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9,
+                               sm90_pt_variant=sm90.variant(d, k_thread_groups=True))
                 if pv16:  # the same inputs with pv='fp16': sm90 (its default fp16 launch shape) and Triton
                     kargs_16 = [_kernel_args(p, causal, d) for p in prepared_16]
                     t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
@@ -262,7 +263,7 @@ def main(argv=None):
 def sm90_columns(sm90):
     """Launch variant i of the sm90 kernel → its column ('sm90' for variant 0, 'sm90_<name>' after)."""
     short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta", "one_warpgroup_4ctas": "4cta"}
-    names = [short.get(v, v.replace("one_warpgroup", "1wg").replace("_3ctas", "_3cta")) for v in sm90.VARIANTS]
+    names = [short[v] for v in sm90.VARIANTS]
     return tuple("sm90" + (f"_{n}" if n else "") for n in names)
 
 

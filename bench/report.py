@@ -186,13 +186,15 @@ def _bias_tables() -> list:
                   "`bias_e2e_h200_s11.json` (`python -m bench.bias_bench --e2e`): compiled rope → "
                   "SDPA(attn_mask) with backend=\"inductor\" vs sage (fused rope prep, dynamic=True), the mask as a "
                   "model passes it (key_padding bool [B,1,1,N]; additive fp32 [B,1,N,N]). The masked-site "
-                  "thresholds of sage_compile/thresholds.py come from this table.", "",
-                  "| D | N | mask | inductor TOPS | sage TOPS | speed-up |", "|---|---|---|---|---|---|"]
-        for r in e2e["rows"]:
-            lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
-                         f"{r['speedup']:.2f} |")
-        lines.append("")
+                  "thresholds of sage_compile/thresholds.py come from this table.", ""] + _masked_e2e_rows(e2e) + [""]
     return lines
+
+
+def _masked_e2e_rows(data) -> list:
+    """bench/bias_bench.py --e2e: one table row per (D, N, mask)."""
+    return ["| D | N | mask | inductor TOPS | sage TOPS | speed-up |", "|---|---|---|---|---|---|"] + [
+        f"| {r['d']} | {r['n']} | {r['kind']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | {r['speedup']:.2f} |"
+        for r in data["rows"]]
 
 
 def _pv16_tables() -> list:
@@ -227,12 +229,7 @@ def _pv16_tables() -> list:
     if masked:
         lines += [f"### End to end with pv='fp16' and a mask — {masked['device']}, torch {masked['torch']} (session 14)", "",
                   "`bias_e2e_pv_fp16_h100_s14.json` (`python -m bench.bias_bench --e2e --pv fp16`); "
-                  "thresholds.MEASURED_PV16_KEY_MASK comes from it.", "",
-                  "| D | N | mask | inductor TOPS | sage TOPS | speed-up |", "|---|---|---|---|---|---|"]
-        for r in masked["rows"]:
-            lines.append(f"| {r['d']} | {r['n']} | {r['kind']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
-                         f"{r['speedup']:.2f} |")
-        lines.append("")
+                  "thresholds.MEASURED_PV16_KEY_MASK comes from it.", ""] + _masked_e2e_rows(masked) + [""]
     return lines
 
 

@@ -107,8 +107,8 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
                 mask=None, pv: str = "fp8") -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
-    own, faster kernel; a site with an attn_mask: the masked measurements above); other archs borrow sm90's entry until
-    measured; unmeasured shapes: 0."""
+    own, faster kernel; a site with an attn_mask: the masked measurements above); other archs borrow sm90's
+    entry until measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
@@ -116,12 +116,12 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
     if rows == "float":
         return NEVER
     if rows == "keys":
-        table = MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK
-        return table.get((major, padded_head_dim), table.get((9, padded_head_dim), 0))
+        return _lookup(MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK, major, padded_head_dim)
     if pv == "fp16":
         return _lookup(MEASURED_PV16, major, padded_head_dim, causal)
     return _lookup(MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED, major, padded_head_dim, causal)
 
 
-def _lookup(table, major, padded_head_dim, causal) -> float:
-    return table.get((major, padded_head_dim, causal), table.get((9, padded_head_dim, causal), 0))
+def _lookup(table, major, *shape) -> float:
+    """The entry for this arch, else sm90's (other archs borrow it until measured), else 0."""
+    return table.get((major, *shape), table.get((9, *shape), 0))

@@ -112,6 +112,7 @@ def test_masked_threshold_reasons_name_the_mask(monkeypatch):
         assert words in reason and "bias_e2e" in reason, reason
     assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig())
 
+
 def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     """pv='fp16' runs a slower kernel (half-rate P·V) with its own measured tables — unmasked and key padding —
     and explain() names that measurement; min_seq_len still overrides it; CPU never waits."""
@@ -123,9 +124,10 @@ def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     padding = torch.ones(2, 1, 1, 64, dtype=torch.bool)
     for (_, d, causal), threshold in thresholds.MEASURED_PV16.items():
         assert thresholds.min_seq_len(cuda, d, causal, pv="fp16") == threshold
-        assert thresholds.min_seq_len(cuda, d, causal, mask=padding, pv="fp16") == thresholds.MEASURED_PV16_KEY_MASK[(9, d)]
+        key_mask = thresholds.MEASURED_PV16_KEY_MASK[(9, d)]
+        assert thresholds.min_seq_len(cuda, d, causal, mask=padding, pv="fp16") == key_mask
         assert thresholds.min_seq_len(cuda, d, causal, mask=torch.zeros(2, 1, 64, 64), pv="fp16") == thresholds.NEVER
-        assert thresholds.MEASURED_PV16_KEY_MASK[(9, d)] >= thresholds.MEASURED_KEY_MASK[(9, d)]  # never earlier
+        assert key_mask >= thresholds.MEASURED_KEY_MASK[(9, d)]  # never earlier than fp8
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, pv="fp16") == 0
     real = thresholds.min_seq_len
     monkeypatch.setattr(thresholds, "min_seq_len", lambda device, *a, **k: real(cuda, *a, **k))

@@ -116,7 +116,7 @@ static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
     q.mask_vec = bias_vec(q.mask, q.mask_bool ? 1 : 4, q.mask_sb, q.mask_sh, q.mask_sr, q.mask_sk);
   }
   if (q.pv16) return launch_1wg_pv16(q, stream, CtasPerSm);
-  if (biased) return launch_1wg_biased(q, stream, CtasPerSm);
+  if (biased) return launch_1wg_biased(q, stream, CtasPerSm == 2 ? 2 : 3);  // variant 3 takes v2's (none of 4)
   return launch_1wg_for_inputs<D, CtasPerSm, false>(q, stream);
 }
 
@@ -142,7 +142,7 @@ const char* launch(const Params& p, int64_t stream, int variant) {
     return "sm90 kernel: variant must be 0 (warp-specialized), 1, 2 or 3 (one warpgroup, 2/3/4 CTAs per SM)";
   if (variant == 3 && p.head_dim_padded != 64) return "sm90 kernel: variant 3 (four CTAs per SM) exists at D=64 only";
   if (variant == 0 && (p.delta_s != nullptr || p.mask != nullptr))
-    return "sm90 kernel: ΔS and attn_mask are read by variants 1 and 2 only";
+    return "sm90 kernel: ΔS and attn_mask are read by the one-warpgroup variants (1-3) only";
   if (p.pv16 && (variant == 0 || variant == 3 || (variant == 2 && p.head_dim_padded == 128)))
     return "sm90 kernel: fp16 PV runs on variant 1, and on variant 2 at head dim 64 only";
   if (p.pv16 && p.k_thread_groups)
@@ -168,7 +168,7 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool 
   }
   if (biased) {
     if (variant == 0) return cudaErrorInvalidValue;
-    return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);  // v3: v2's biased kernels
+    return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);  // as launch_1wg: v3 runs v2's
   }
   if (variant == 0) {
     *dynamic_smem = SmemLayout<D>::kDynamic;

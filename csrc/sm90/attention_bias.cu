@@ -6,7 +6,6 @@
 namespace sage_sm90 {
 
 cudaError_t launch_1wg_biased(const Params& q, cudaStream_t stream, int ctas_per_sm) {
-  if (ctas_per_sm == 4) ctas_per_sm = 3;  // no four-CTA biased kernels (D=64's variant 3 takes v2's)
   if (q.head_dim_padded == 128)
     return ctas_per_sm == 2 ? launch_1wg_for_inputs<128, 2, true>(q, stream)
                             : launch_1wg_for_inputs<128, 3, true>(q, stream);

@@ -91,15 +91,15 @@ def supports(args: KernelArgs) -> Optional[str]:
     if pv16 and args.k_thread_groups:
         return ("pv='fp16' with per_thread δK: the fp16 P operand reads keys in natural order, not in the order "
                 "the per_thread groups follow (use per_token K, or the Triton kernel)")
-    if pv16 and variant(dp, True) not in PV16_VARIANTS[dp]:
+    chosen = variant(dp, pv16, args.k_thread_groups)
+    if pv16 and chosen not in PV16_VARIANTS[dp]:
         return (f"pv='fp16' at padded head dim {dp} runs on launch variant(s) {PV16_VARIANTS[dp]} "
-                f"(SAGE_SM90_VARIANT={variant(dp, True)})")
+                f"(SAGE_SM90_VARIANT={chosen})")
     mask_reason = mask_problem(args)
     if mask_reason is not None:
         return mask_reason
     if args.delta_s is not None and args.delta_s.dtype != torch.float32:
         return f"delta_s must be float32 (got {args.delta_s.dtype})"
-    chosen = variant(dp, pv16, args.k_thread_groups)
     if not variant_covers(chosen, dp):
         return f"SAGE_SM90_VARIANT={chosen} has no kernel at padded head dim {dp}"
     if (args.delta_s is not None or args.attn_mask is not None) and chosen == 0:
