@@ -9,6 +9,8 @@ code). Programs are ordered heads-fastest, so the programs in flight together re
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,9 @@ from ..spec import THREAD_GROUP_KEYS
 # Measured with tools/prep_tune.py on the H100 (GPU time, CUDA graphs; N=16K D=128 and N=4K D=64):
 # quantize 64 tokens × 8 warps 1.53× its floor; mean 128 tokens × 2 tiles × 4 warps 1.41-1.48×.
 BLOCK_N, QUANTIZE_WARPS = 64, 8  # tokens per tile of the quantize kernel
+# per_thread K groups fix the quantize tile at one 128-key block; warps by head dim (H100, session 15, K with μ,
+# B·N = 16K: D=128 16 warps 0.0569 ms vs 8 0.0625, 4 0.0694; D=64 8 warps 0.0536 vs 16 0.0573, 4 0.0575).
+THREAD_GROUP_WARPS = {64: 8, 128: 16}
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 128, 2, 4  # the mean: a constant split (no guard on N)
 V_BLOCK_N, V_WARPS = 64, 8  # V quantize (tools/prep_tune.py, H100 16K: 1.14× its floor; amax 128×2, 4 warps: 1.31×)
 
@@ -197,12 +202,14 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
-                         block: int = BLOCK_N, warps: int = QUANTIZE_WARPS, thread_groups: bool = False) -> None:
+                         block: int = BLOCK_N, warps: Optional[int] = None, thread_groups: bool = False) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
-    groups)."""
+    groups, in tiles of one key block). warps: QUANTIZE_WARPS, or THREAD_GROUP_WARPS by head dim, unless given."""
     batch, heads, n, d = x.shape
     if thread_groups:
         block = THREAD_GROUP_KEYS
+    if warps is None:
+        warps = THREAD_GROUP_WARPS.get(d, QUANTIZE_WARPS) if thread_groups else QUANTIZE_WARPS
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, block))](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
