@@ -17,14 +17,16 @@ def _builds_table(name, title) -> list:
     if not data:
         return []
     kernels = data["kernels"] + ["cudnn"]
+    named = int(any("old_build" in r for r in data["rows"]))  # several old builds in one file: name each row's
     lines = [f"## {title} — {data['device']}, torch {data['torch']}", "",
              f"`{name}` (tools/ab/sm90_builds.py; old = the session's starting commit {data.get('old_commit', 'ccb84a6')}, "
              "same process, calls interleaved). "
-             "TOPS:", "", "| D | causal | K | N | " + " | ".join(kernels) + " | new = old bit for bit |",
-             "|---|---|---|---|" + "---|" * (len(kernels) + 1)]
+             "TOPS:", "", "| D | causal | K | N | " + " | ".join(kernels) + " | new = old bit for bit |"
+             + (" old build |" if named else ""), "|---|---|---|---|" + "---|" * (len(kernels) + 1 + named)]
     for r in data["rows"]:
         lines.append(f"| {r['d']} | {r['causal']} | {r['k_granularity']} | {r['n']} | "
-                     + " | ".join(f"{r['tops'][k]:.0f}" for k in kernels) + f" | {all(r['bit_equal_to_old'])} |")
+                     + " | ".join(f"{r['tops'][k]:.0f}" for k in kernels) + f" | {all(r['bit_equal_to_old'])} |"
+                     + (f" {r['old_build']} |" if named else ""))
     return lines + [""]
 
 
@@ -233,25 +235,67 @@ def _pv16_tables() -> list:
     return lines
 
 
-def _d64_four_ctas_tables() -> list:
-    """Session 14: sm90 variant 3 (four CTAs per SM, D=64) beside v1/v2 (tools/sm90_variants.py), then end to end."""
-    data = _load("sm90_variants_d64_h100_s14.json")
+def _variants_table(name, title, command) -> list:
+    """tools/sm90_variants.py: launch shapes of one build side by side (TOPS), with cuDNN and their resources."""
+    data = _load(name)
     if not data:
         return []
     names = {str(v): f"v{v}" for v in data["variants"]}
-    lines = [f"## D=64 on four CTAs per SM (sm90 variant 3, session 14) — {data['device']}, torch {data['torch']}", "",
-             "`sm90_variants_d64_h100_s14.json` (`python tools/sm90_variants.py --variants 1,2,3 --d 64`): the same "
-             "inputs through each launch shape, best of 2 interleaved rounds, outputs bit-equal across shapes. TOPS:", "",
-             "| causal | K | N | " + " | ".join(names.values()) + " | SDPA cuDNN | bit-equal |",
-             "|---|---|---|" + "---|" * (len(names) + 2)]
+    lines = [f"## {title} — {data['device']}, torch {data['torch']}", "",
+             f"`{name}` (`{command}`): the same inputs through each launch shape, best of 2 interleaved rounds, outputs "
+             "bit-equal across shapes. TOPS:", "",
+             "| D | causal | K | N | " + " | ".join(names.values()) + " | SDPA cuDNN | bit-equal |",
+             "|---|---|---|---|" + "---|" * (len(names) + 2)]
     for r in data["rows"]:
-        lines.append(f"| {r['causal']} | {r['k']} | {r['n']} | " + " | ".join(f"{r['tops'][v]:.0f}" for v in names)
+        lines.append(f"| {r['d']} | {r['causal']} | {r['k']} | {r['n']} | "
+                     + " | ".join(f"{r['tops'][v]:.0f}" if v in r["tops"] else "" for v in names)
                      + f" | {r['cudnn_tops']:.0f} | {r['bit_equal']} |")
     lines += ["", "Resources: " + "; ".join(f"{k} {i['registers']} registers, {i['local_bytes']} B local"
                                            for k, i in data["kernel_info"].items()), ""]
+    return lines
+
+
+def _d64_four_ctas_tables() -> list:
+    """Session 14: sm90 variant 3 (four CTAs per SM, D=64) beside v1/v2, then end to end."""
+    lines = _variants_table("sm90_variants_d64_h100_s14.json", "D=64 on four CTAs per SM (sm90 variant 3, session 14)",
+                            "python tools/sm90_variants.py --variants 1,2,3 --d 64")
     e2e = _load("e2e_bench_d64_h100_s14.json")
-    if e2e:
+    if lines and e2e:
         lines += _e2e_table(e2e, "End to end at D=64 with per_thread δK on four CTAs per SM (session 14)") + [""]
+    return lines
+
+
+def _session15_experiments() -> list:
+    """Session 15's experiments, none merged but the last: intra-warpgroup overlap, int max, heads per prep
+    program, the per_thread K quantize's warps."""
+    lines = _variants_table("sm90_overlap_variants_h100_s15.json",
+                            "Intra-warpgroup pipelining (variants 4/5 on branch exp/intra-wg-overlap, session 15)",
+                            "python tools/sm90_variants.py --variants 2,4 --d 128; --variants 2,3,4,5 --d 64")
+    lines += _builds_table("sm90_int_max3_ab_h100_s15.json",
+                           "per_thread row max with VIMNMX3 (branch exp/int-max3, session 15)")
+    heads = _load("prep_heads_ab_h100_s15.json")
+    if heads:
+        counts = sorted({h for r in heads["rows"] for h in r["ms"]}, key=int)
+        lines += [f"## Fused rope quantize, heads per program (branch exp/prep-heads-per-program, session 15) — "
+                  f"{heads['device']}, torch {heads['torch']}, triton {heads['triton']}", "",
+                  "`prep_heads_ab_h100_s15.json` (`python tools/prep_heads_ab.py` on the branch): GPU ms (median of "
+                  "do_bench_cudagraph), outputs bit-equal across counts:", "",
+                  "| N | D | role | floor | " + " | ".join(f"{h} head(s)" for h in counts) + " |",
+                  "|---|---|---|---|" + "---|" * len(counts)]
+        for r in heads["rows"]:
+            lines.append(f"| {r['n']} | {r['d']} | {r['role']} | {r['floor_ms']:.4f} | "
+                         + " | ".join(f"{r['ms'][h]:.4f}" for h in counts) + " |")
+        lines.append("")
+    warps = _load("prep_k_per_thread_warps_h100_s15.json")
+    if warps:
+        counts = sorted({w for r in warps["rows"] for w in r["ms"]}, key=int)
+        lines += [f"## per_thread K quantize by warps (session 15: prep_triton.THREAD_GROUP_WARPS) — {warps['device']}, "
+                  f"torch {warps['torch']}", "", f"`prep_k_per_thread_warps_h100_s15.json`: {warps['what']}.", "",
+                  "| N | D | floor | " + " | ".join(f"{w} warps" for w in counts) + " |", "|---|---|---|" + "---|" * len(counts)]
+        for r in warps["rows"]:
+            lines.append(f"| {r['n']} | {r['d']} | {r['floor_ms']:.4f} | " + " | ".join(f"{r['ms'][w]:.4f}" for w in counts)
+                         + " |")
+        lines.append("")
     return lines
 
 
@@ -343,6 +387,7 @@ def main() -> int:
     lines += _bias_tables()
     lines += _pv16_tables()
     lines += _d64_four_ctas_tables()
+    lines += _session15_experiments()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
