@@ -266,13 +266,16 @@ def _d64_four_ctas_tables() -> list:
 
 
 def _session15_experiments() -> list:
-    """Session 15's experiments, none merged but the last: intra-warpgroup overlap, int max, heads per prep
-    program, the per_thread K quantize's warps."""
+    """Session 15: the intra-warpgroup overlap, int max and heads-per-prep-program experiments (not merged), the D=64
+    8K end-to-end point (thresholds) and the per_thread K quantize's warps (kept)."""
     lines = _variants_table("sm90_overlap_variants_h100_s15.json",
                             "Intra-warpgroup pipelining (variants 4/5 on branch exp/intra-wg-overlap, session 15)",
                             "python tools/sm90_variants.py --variants 2,4 --d 128; --variants 2,3,4,5 --d 64")
     lines += _builds_table("sm90_int_max3_ab_h100_s15.json",
                            "per_thread row max with VIMNMX3 (branch exp/int-max3, session 15)")
+    e2e = _load("e2e_bench_d64_8k_h100_s15.json")
+    if e2e:
+        lines += _e2e_table(e2e, "End to end at D=64, 8K (session 15: D=64 per_thread thresholds from 8K)") + [""]
     heads = _load("prep_heads_ab_h100_s15.json")
     if heads:
         counts = sorted({h for r in heads["rows"] for h in r["ms"]}, key=int)
