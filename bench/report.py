@@ -265,6 +265,17 @@ def _d64_four_ctas_tables() -> list:
     return lines
 
 
+def _ms_by_count(rows, keys, unit) -> list:
+    """A table of GPU ms per setting count (r['ms'] keyed by count as text), beside each row's memory floor."""
+    counts = sorted({c for r in rows for c in r["ms"]}, key=int)
+    lines = ["| " + " | ".join(k if k == "role" else k.upper() for k in keys) + " | floor | "
+             + " | ".join(f"{c} {unit}" for c in counts) + " |", "|---" * (len(keys) + 1 + len(counts)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[k]) for k in keys) + f" | {r['floor_ms']:.4f} | "
+                     + " | ".join(f"{r['ms'][c]:.4f}" for c in counts) + " |")
+    return lines + [""]
+
+
 def _session15_experiments() -> list:
     """Session 15: the intra-warpgroup overlap, int max and heads-per-prep-program experiments (not merged), the D=64
     8K end-to-end point (thresholds) and the per_thread K quantize's warps (kept)."""
@@ -278,27 +289,16 @@ def _session15_experiments() -> list:
         lines += _e2e_table(e2e, "End to end at D=64, 8K (session 15: D=64 per_thread thresholds from 8K)") + [""]
     heads = _load("prep_heads_ab_h100_s15.json")
     if heads:
-        counts = sorted({h for r in heads["rows"] for h in r["ms"]}, key=int)
         lines += [f"## Fused rope quantize, heads per program (branch exp/prep-heads-per-program, session 15) — "
                   f"{heads['device']}, torch {heads['torch']}, triton {heads['triton']}", "",
                   "`prep_heads_ab_h100_s15.json` (`python tools/prep_heads_ab.py` on the branch): GPU ms (median of "
-                  "do_bench_cudagraph), outputs bit-equal across counts:", "",
-                  "| N | D | role | floor | " + " | ".join(f"{h} head(s)" for h in counts) + " |",
-                  "|---|---|---|---|" + "---|" * len(counts)]
-        for r in heads["rows"]:
-            lines.append(f"| {r['n']} | {r['d']} | {r['role']} | {r['floor_ms']:.4f} | "
-                         + " | ".join(f"{r['ms'][h]:.4f}" for h in counts) + " |")
-        lines.append("")
+                  "do_bench_cudagraph), outputs bit-equal across counts:", ""]
+        lines += _ms_by_count(heads["rows"], ("n", "d", "role"), "head(s)")
     warps = _load("prep_k_per_thread_warps_h100_s15.json")
     if warps:
-        counts = sorted({w for r in warps["rows"] for w in r["ms"]}, key=int)
         lines += [f"## per_thread K quantize by warps (session 15: prep_triton.THREAD_GROUP_WARPS) — {warps['device']}, "
-                  f"torch {warps['torch']}", "", f"`prep_k_per_thread_warps_h100_s15.json`: {warps['what']}.", "",
-                  "| N | D | floor | " + " | ".join(f"{w} warps" for w in counts) + " |", "|---|---|---|" + "---|" * len(counts)]
-        for r in warps["rows"]:
-            lines.append(f"| {r['n']} | {r['d']} | {r['floor_ms']:.4f} | " + " | ".join(f"{r['ms'][w]:.4f}" for w in counts)
-                         + " |")
-        lines.append("")
+                  f"torch {warps['torch']}", "", f"`prep_k_per_thread_warps_h100_s15.json`: {warps['what']}.", ""]
+        lines += _ms_by_count(warps["rows"], ("n", "d"), "warps")
     return lines
 
 

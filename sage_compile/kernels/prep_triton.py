@@ -23,8 +23,9 @@ from ..spec import THREAD_GROUP_KEYS
 # Measured with tools/prep_tune.py on the H100 (GPU time, CUDA graphs; N=16K D=128 and N=4K D=64):
 # quantize 64 tokens × 8 warps 1.53× its floor; mean 128 tokens × 2 tiles × 4 warps 1.41-1.48×.
 BLOCK_N, QUANTIZE_WARPS = 64, 8  # tokens per tile of the quantize kernel
-# per_thread K groups fix the quantize tile at one 128-key block; warps by head dim (H100, session 15, K with μ,
-# B·N = 16K: D=128 16 warps 0.0569 ms vs 8 0.0625, 4 0.0694; D=64 8 warps 0.0536 vs 16 0.0573, 4 0.0575).
+# per_thread K groups fix the quantize tile at one 128-key block; warps by head dim (tools/prep_tune.py's per_thread
+# sweep; H100, session 15, K with μ, B·N = 16K: D=128 16 warps 0.0569 ms vs 8 0.0625, 4 0.0694; D=64 8 warps 0.0536
+# vs 16 0.0573, 4 0.0575 — docs/results/prep_k_per_thread_warps_h100_s15.json).
 THREAD_GROUP_WARPS = {64: 8, 128: 16}
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 128, 2, 4  # the mean: a constant split (no guard on N)
 V_BLOCK_N, V_WARPS = 64, 8  # V quantize (tools/prep_tune.py, H100 16K: 1.14× its floor; amax 128×2, 4 warps: 1.31×)
