@@ -21,7 +21,7 @@ from setuptools import Extension, setup
 cpu_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
 
 SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu", "csrc/sm90/attention_bias.cu",
-                "csrc/sm90/attention_pv16.cu"]
+                "csrc/sm90/attention_pv16.cu", "csrc/sm90/attention_rope_q.cu"]
 KERNEL_ARCHS = {"_sm90": {"90a"}}  # extension → archs it has code for
 
 

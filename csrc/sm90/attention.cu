@@ -115,6 +115,7 @@ static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
     q.ds_vec = bias_vec(q.delta_s, 4, q.ds_sb, q.ds_sh, q.ds_sr, q.ds_sk);
     q.mask_vec = bias_vec(q.mask, q.mask_bool ? 1 : 4, q.mask_sb, q.mask_sh, q.mask_sr, q.mask_sk);
   }
+  if (q.xq != nullptr) return launch_1wg_rope_q(q, stream, CtasPerSm);
   if (q.pv16) return launch_1wg_pv16(q, stream, CtasPerSm);
   if (biased) return launch_1wg_biased(q, stream, CtasPerSm == 2 ? 2 : 3);  // variant 3 takes v2's (none of 4)
   return launch_1wg_for_inputs<D, CtasPerSm, false>(q, stream);
@@ -147,6 +148,10 @@ const char* launch(const Params& p, int64_t stream, int variant) {
     return "sm90 kernel: fp16 PV runs on variant 1, and on variant 2 at head dim 64 only";
   if (p.pv16 && p.k_thread_groups)
     return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
+  if (p.xq != nullptr && (variant == 0 || p.pv16 || p.delta_s != nullptr || p.mask != nullptr))
+    return "sm90 kernel: Q's rotary in the prologue runs on variants 1-3 with e4m3 PV and no ΔS / attn_mask";
+  if (p.xq != nullptr && p.head_dim != p.head_dim_padded)
+    return "sm90 kernel: Q's rotary in the prologue needs an unpadded head dim (64 or 128)";
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t err;
   if (p.head_dim_padded == 128) {
@@ -160,8 +165,12 @@ const char* launch(const Params& p, int64_t stream, int variant) {
 }
 
 template <int D>
-static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool pv16, cudaFuncAttributes* attr,
-                                  int* dynamic_smem) {
+static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool pv16, bool rope_q,
+                                  cudaFuncAttributes* attr, int* dynamic_smem) {
+  if (rope_q) {
+    if (variant == 0 || biased || pv16) return cudaErrorInvalidValue;
+    return rope_q_attributes(D, variant + 1, thread_k, attr, dynamic_smem);
+  }
   if (pv16) {
     if (variant == 0 || thread_k) return cudaErrorInvalidValue;
     return pv16_attributes(D, variant == 1 ? 2 : 3, biased, attr, dynamic_smem);
@@ -182,15 +191,15 @@ static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool 
                       : attributes_1wg<D, 3, false>(thread_k, attr, dynamic_smem);
 }
 
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, int* regs, int* local_bytes,
-                 int* dynamic_smem, int* max_threads) {
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, bool rope_q, int* regs,
+                 int* local_bytes, int* dynamic_smem, int* max_threads) {
   if (variant < 0 || variant > 3) return false;
   cudaFuncAttributes attr{};
   cudaError_t err;
   if (head_dim_padded == 128) {
-    err = attributes_for<128>(variant, thread_k, biased, pv16, &attr, dynamic_smem);
+    err = attributes_for<128>(variant, thread_k, biased, pv16, rope_q, &attr, dynamic_smem);
   } else if (head_dim_padded == 64) {
-    err = attributes_for<64>(variant, thread_k, biased, pv16, &attr, dynamic_smem);
+    err = attributes_for<64>(variant, thread_k, biased, pv16, rope_q, &attr, dynamic_smem);
   } else {
     return false;
   }

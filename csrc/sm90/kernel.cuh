@@ -19,6 +19,8 @@
 //   occupy the tensor cores.
 // Score biases (ΔS, attn_mask): v1/v2 only, in the kBias instantiations (attention_bias.cu): every key block
 // takes the masked path and adds them after δQ·δK (softmax_scores, add_bias).
+// Q's rotary + per-token quantization in the prologue (Params::xq; opt-in, sage.rope_q_attention): v1-v3, e4m3 PV,
+// no biases, in the kRopeQ instantiations (attention_rope_q.cu; rope_quantize_q).
 // FP16 PV (pv = fp16, the spec's accurate option): v1/v2 only, in the kPV16 instantiations (attention_pv16.cu).
 // P̂ = fp16(P448) and V̂ fp16, eight k16 steps per block; the fp16 A fragment is the accumulator's own layout,
 // so K rows stay in natural order (KeyOrder<true>) and Vᵀ sits in two 64-key tiles of 128-byte rows per stage.
@@ -646,14 +648,145 @@ __device__ __forceinline__ void load_q(uint32_t sQ, const Params& p, const CtaTi
   }
 }
 
+// Eight consecutive elements at `base` + `at` (elements of RopeDtype `dtype`) as fp32, exact: one 16-byte load (two
+// for fp32); the caller guarantees 16-byte alignment.
+__device__ __forceinline__ void load8_as_float(const void* base, int64_t at, int dtype, float (&f)[8]) {
+  if (dtype == kRopeFP32) {
+    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(base) + at);
+    const float4 a = __ldg(src), b = __ldg(src + 1);
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    return;
+  }
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + at));
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (dtype == kRopeBF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = x.x, f[2 * i + 1] = x.y;
+    }
+  }
+}
+
+// The int8 x̂ = rint(x/δ) of the spec (x/δ an IEEE division, round half to even; |x| ≤ amax so |x̂| ≤ 127 with no
+// clamp: δ ≥ amax/127 up to the division's rounding), as the bits of M + x̂ (M = 1.5·2^23: its low byte is x̂'s byte).
+// Fast: from x·inv (inv = 1/δ rounded) in one FMA. The product is within 2^-24·128 < 7.7e-6 of the quotient x/δ, and
+// the division rounds the quotient by at most 3.9e-6 (half an ulp below 128), so both give the same integer unless
+// x·inv − x̂ lies within 1.2e-5 of ±1/2: `suspicious` is raised from 2e-5 (and for a subnormal δ, whose inverse
+// overflows: x·inv NaN or ±inf); the caller then takes the exact path, which divides.
+constexpr float kMagic = 12582912.f;  // 1.5·2^23
+__device__ __forceinline__ uint32_t quantized_bits_fast(float x, float inv, bool& suspicious) {
+  const float y = __fmaf_rn(x, inv, kMagic);  // M + rint(x·inv): the sum's ulp is 1
+  const float e = __fmaf_rn(x, inv, -(y - kMagic));
+  suspicious |= !(fabsf(e) < 0.49998f);
+  return __float_as_uint(y);
+}
+__device__ __forceinline__ uint32_t quantized_bits_exact(float x, float delta) {
+  return __float_as_uint(kMagic + rintf(__fdiv_rn(x, delta)));
+}
+
+// Four M + x̂ bit patterns → four int8 bytes (the first in the lowest byte).
+__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// The CTA's 64 query rows, rotated and quantized per token (Params' xq / rope; prep.rope_quantize_reference's
+// numbers exactly) into the swizzled int8 Q tile, and δ·q_out_scale of each row into q_scale_smem (0 past Nq).
+// Two threads per row: thread hh of row r takes the 8-column chunks j = 2c + hh of x₁ and x₂ (the pair reads
+// whole 32-byte sectors), whose int8 bytes are the two halves of 16-byte chunk c (x₁) and D/32 + c (x₂). Every
+// instruction here is an issue slot the other CTAs' loops do not get (the kernel is issue-bound; session 16), so:
+// the half tables (c₂ = c₁, s₂ = s₁) are read once; with 16-bit tables x·c is exact in fp32, so x₁c₁ − x₂s₁ is one
+// FMA on the exact x₂s₁ (the spec's rounding, fewer instructions); and the quantization is quantized_bits.
+template <int D>
+__device__ __forceinline__ void rope_quantize_q(uint32_t sQ, float* q_scale_smem, const Params& p, const CtaTile& tile,
+                                                int tid) {
+  constexpr int kHalf = D / 2, kChunks = kHalf / 16;  // per thread: kChunks chunks of 8 columns of each half
+  const int r = tid >> 1, hh = tid & 1, n = tile.q0 + r;
+  const bool in_range = n < p.nq, same_halves = p.rope_same_halves, exact_products = p.rope_dtype != kRopeFP32;
+  float r1[kChunks][8], r2[kChunks][8];
+  float amax = 0.f;
+  if (in_range) {
+    const int64_t x_at = tile.b * p.xq_sb + tile.h * p.xq_sh + n * p.xq_sn;
+    int64_t t_at[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t_at[i] = tile.b * p.rope_sb[i] + tile.h * p.rope_sh[i] + n * p.rope_sn[i];
+    const int x_dtype = p.xq_fp16 ? kRopeFP16 : kRopeBF16;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = 8 * (2 * c + hh);
+      float x1[8], x2[8], c1[8], s1[8], c2[8], s2[8];
+      load8_as_float(p.xq, x_at + col, x_dtype, x1);
+      load8_as_float(p.xq, x_at + kHalf + col, x_dtype, x2);
+      load8_as_float(p.rope[0], t_at[0] + col, p.rope_dtype, c1);
+      load8_as_float(p.rope[1], t_at[1] + col, p.rope_dtype, s1);
+      if (!same_halves) {
+        load8_as_float(p.rope[2], t_at[2] + col, p.rope_dtype, c2);
+        load8_as_float(p.rope[3], t_at[3] + col, p.rope_dtype, s2);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float cc = same_halves ? c1[e] : c2[e], ss = same_halves ? s1[e] : s2[e];
+        if (exact_products) {
+          r1[c][e] = __fmaf_rn(x1[e], c1[e], -__fmul_rn(x2[e], s1[e]));
+          r2[c][e] = __fmaf_rn(x2[e], cc, __fmul_rn(x1[e], ss));
+        } else {
+          r1[c][e] = __fsub_rn(__fmul_rn(x1[e], c1[e]), __fmul_rn(x2[e], s1[e]));
+          r2[c][e] = __fadd_rn(__fmul_rn(x2[e], cc), __fmul_rn(x1[e], ss));
+        }
+        amax = fmaxf(amax, fmaxf(fabsf(r1[c][e]), fabsf(r2[c][e])));
+      }
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
+  float delta = __fdiv_rn(fmaxf(amax, 1.17549435e-38f), 127.f);
+  delta = __int_as_float((__float_as_int(delta) + 3) & -4);  // spec.fma_friendly
+  const float inv = __frcp_rn(delta);
+  uint32_t w[kChunks][4];  // per chunk: x₁'s eight bytes, then x₂'s
+  bool suspicious = false;
+  const auto quantize = [&](auto bits_of) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float* a = &r1[c][4 * i];
+        const float* b = &r2[c][4 * i];
+        w[c][i] = pack_low_bytes(bits_of(a[0]), bits_of(a[1]), bits_of(a[2]), bits_of(a[3]));
+        w[c][2 + i] = pack_low_bytes(bits_of(b[0]), bits_of(b[1]), bits_of(b[2]), bits_of(b[3]));
+      }
+  };
+  if (in_range) {
+    quantize([&](float x) { return quantized_bits_fast(x, inv, suspicious); });
+    if (suspicious) quantize([&](float x) { return quantized_bits_exact(x, delta); });  // rare: see quantized_bits_fast
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const uint32_t a1 = sQ + swizzled<D>(r, c) + 8 * hh, a2 = sQ + swizzled<D>(r, kHalf / 16 + c) + 8 * hh;
+    const uint32_t z = 0u;
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a1), "r"(in_range ? w[c][0] : z), "r"(in_range ? w[c][1] : z)
+                 : "memory");
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a2), "r"(in_range ? w[c][2] : z), "r"(in_range ? w[c][3] : z)
+                 : "memory");
+  }
+  if (hh == 0) q_scale_smem[r] = in_range ? __fmul_rn(delta, p.q_out_scale) : 0.f;
+}
+
 // This thread's two rows (g and g + 8 of its warp's 16, from the warpgroup's first row) and their δQ.
+// q_scale_smem (Q rotated in the prologue): the CTA's δQ in shared memory, row wg_row0 first.
 __device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile, int wg_row0, int warp, int g,
-                                            int (&row)[2], float (&q_scale)[2]) {
+                                            int (&row)[2], float (&q_scale)[2], const float* q_scale_smem = nullptr) {
   row[0] = wg_row0 + warp * 16 + g;
   row[1] = row[0] + 8;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-    q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
+  for (int r = 0; r < 2; ++r) {
+    if (q_scale_smem != nullptr) {
+      q_scale[r] = q_scale_smem[row[r] - wg_row0];  // 0 past Nq
+    } else {
+      q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
+    }
+  }
 }
 
 // S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps, or eight k16), issued, not waited for.
@@ -969,8 +1102,9 @@ __global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(co
 // ---------------------------------------------------------------------------------------------------
 constexpr int kBlockM1 = 64;
 
-// kPV16: Vᵀ in fp16, two tiles [D][64 keys] per stage (BlockCopier), twice the bytes.
-template <int D, int Stages = 3, bool kPV16 = false>
+// kPV16: Vᵀ in fp16, two tiles [D][64 keys] per stage (BlockCopier), twice the bytes. kRopeQ: δQ of the 64 rows,
+// computed by the prologue (rope_quantize_q), after the barriers.
+template <int D, int Stages = 3, bool kPV16 = false, bool kRopeQ = false>
 struct SmemLayout1 {
   static constexpr int kStages = Stages;
   static constexpr int kQBytes = kBlockM1 * D;
@@ -983,7 +1117,8 @@ struct SmemLayout1 {
   // Per stage (tensor maps only): "its bytes landed" (full) and "all four warps are done with it" (empty).
   static constexpr int kFull = kKScale + kStages * kBlockN * 4;
   static constexpr int kEmpty = kFull + kStages * 8;
-  static constexpr int kBytes = kEmpty + kStages * 8;
+  static constexpr int kQScale = kEmpty + kStages * 8;
+  static constexpr int kBytes = kQScale + (kRopeQ ? kBlockM1 * 4 : 0);
   static constexpr int kDynamic = kBytes + 1024;
 };
 
@@ -1006,10 +1141,13 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // kBias: ΔS and/or an attn_mask (every block on the masked path; instantiated in attention_bias.cu).
 // kPV16: P̂ and V̂ in fp16 (pv = fp16): K rows in natural order (KeyOrder<true>), Vᵀ as two 64-key tiles per
 // stage, eight k16 steps per block; per_thread δK is not available (its groups follow the permuted order).
-template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false, bool kPV16 = false>
+// kRopeQ: Q is p.xq, rotated and quantized in the prologue (rope_quantize_q) while the first stages load.
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false, bool kPV16 = false,
+          bool kRopeQ = false>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
   static_assert(!(kPV16 && kThreadK), "per_thread δK groups follow the e4m3 kernel's permuted key order");
-  using L = SmemLayout1<D, Stages1<D, CtasPerSm, kPV16>(), kPV16>;
+  static_assert(!(kRopeQ && (kPV16 || kBias)), "Q's rotary in the prologue: e4m3 PV, no score biases");
+  using L = SmemLayout1<D, Stages1<D, CtasPerSm, kPV16>(), kPV16, kRopeQ>;
   constexpr int kStages = L::kStages;
   static_assert(kStages >= 2, "no such launch shape (Stages1)");
   constexpr int kVKeyBytes = BlockCopier<D, kPV16>::kVKeyBytes;  // Vᵀ bytes per key
@@ -1031,7 +1169,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
   const uint8_t* v_g = p.v + kVKeyBytes * b * p.v_sb + kVKeyBytes * hk * p.v_sh;
   const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd) * kVKeyBytes;
-  load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
+  if constexpr (!kRopeQ) load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
   const BlockCopier<D, kPV16> copier(tid, k_row, v_row);
   // With tensor maps thread 0 issues every copy of a block — K's two permuted halves, Vᵀ and δK — on the
   // stage's full barrier; each warp's lane 0 arrives on the stage's empty barrier once its products of the
@@ -1083,6 +1221,11 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     if (j < n_blocks && (!by_map || tid == 0)) load_block(j);
     cp_async_commit();
   }
+  float* q_scale_smem = reinterpret_cast<float*>(smem + L::kQScale);
+  if constexpr (kRopeQ) {
+    rope_quantize_q<D>(sQ, q_scale_smem, p, tile, tid);  // while the first blocks load
+    if constexpr (!by_map) blocks_landed();  // Q's tile and δQ visible (the loop's barrier orders only the copies)
+  }
   if (by_map) {
     cp_async_wait<0>();
     blocks_landed();
@@ -1090,7 +1233,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
 
   int row[2];
   float q_scale[2];
-  thread_rows(p, tile, q0, warp, g, row, q_scale);
+  thread_rows(p, tile, q0, warp, g, row, q_scale, kRopeQ ? q_scale_smem : nullptr);
   const uint64_t desc_q = smem_descriptor(sQ, D);
   ScoreBias bias;
   if constexpr (kBias) bias = score_bias(p, b, tile.h, row);

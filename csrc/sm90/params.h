@@ -8,6 +8,7 @@
 namespace sage_sm90 {
 
 enum OutDtype : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
+enum RopeDtype : int { kRopeBF16 = 0, kRopeFP16 = 1, kRopeFP32 = 2 };
 
 struct Params {
   const int8_t* q;         // [B, Hq, Nq, Dp] int8, last dim contiguous, rows 16-byte aligned
@@ -51,6 +52,19 @@ struct Params {
   // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of
   // the block's rows in natural order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK
   // (3-D: key, head, batch).
+  // Q's rotary and quantization in the one-warpgroup kernel's prologue (xq non-null; launch_1wg_rope_q): instead of
+  // q / q_scale the CTA reads raw Q and the four rotary tables (sage_compile/prep.py's rope(x) = cat(x₁·c₁ − x₂·s₁,
+  // x₂·c₂ + x₁·s₂), no FMA), quantizes each row per token as prep's rope_quantize does (δ = fma_friendly(max(amax,
+  // tiny)/127), x̂ = rint(x/δ) with IEEE division) into its Q tile, and keeps δ·q_out_scale per row in shared memory.
+  // Head dim unpadded (D = head_dim_padded); last dims contiguous; rows 16-byte aligned (sm90.py checks).
+  const void* xq;          // [B, Hq, Nq, D] bf16 (xq_fp16 = 0) or fp16
+  int64_t xq_sb, xq_sh, xq_sn;
+  int xq_fp16;
+  const void* rope[4];     // c₁, s₁, c₂, s₂, each broadcastable to [B, Hq, Nq, D/2] (element strides, 0 where broadcast)
+  int64_t rope_sb[4], rope_sh[4], rope_sn[4];
+  int rope_dtype;          // RopeDtype, the same for all four
+  int rope_same_halves;    // 1: c₂ is c₁ and s₂ is s₁ (the half-table form: two tables read, not four)
+  float q_out_scale;       // softmax scale · log2 e
   int tma;
   CUtensorMap k_map;  // 64-byte aligned by its type, as a kernel parameter must be
   CUtensorMap v_map;
@@ -65,8 +79,9 @@ const char* launch(const Params& p, int64_t stream, int variant);
 
 // Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
 // one padded head dim (thread_k: the per_thread δK instantiation; biased: the one that reads ΔS / attn_mask,
-// variants 1 and 2 only; pv16: the fp16-PV one); false when there is no such kernel.
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, int* regs, int* local_bytes,
-                 int* dynamic_smem, int* max_threads);
+// variants 1 and 2 only; pv16: the fp16-PV one; rope_q: the one that rotates Q in its prologue, variants 1-3); false
+// when there is no such kernel.
+bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, bool rope_q, int* regs,
+                 int* local_bytes, int* dynamic_smem, int* max_threads);
 
 }  // namespace sage_sm90

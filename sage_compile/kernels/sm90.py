@@ -60,6 +60,8 @@ def variant(padded_head_dim: int, pv16: bool = False, k_thread_groups: bool = Fa
 
 
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_RAW_Q_DTYPES = (torch.bfloat16, torch.float16)  # Q before its rotary (run_rope_q): xq_fp16 = 0 / 1
+_ROPE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # params.h RopeDtype
 _MAX_GRID_Y = 65535
 
 
@@ -73,15 +75,18 @@ def _aligned(t: torch.Tensor, row_dim: int) -> bool:
     return t.data_ptr() % 16 == 0 and (t.shape[row_dim] <= 1 or t.stride(row_dim) * t.element_size() % 16 == 0)
 
 
-def supports(args: KernelArgs) -> Optional[str]:
+def supports(args: KernelArgs, raw_q: bool = False) -> Optional[str]:
+    """None when ``run`` can take ``args``, else the reason. ``raw_q``: args.q is Q before its rotary (bf16/fp16,
+    for ``run_rope_q``; q_scale unused) — the rest of the contract is the same."""
     if args.device.type != "cuda" or torch.version.hip is not None:
         return f"needs an NVIDIA CUDA device (got {args.device.type})"
     index = args.device.index if args.device.index is not None else torch.cuda.current_device()
     cap = _capability(index)
     if cap != (9, 0):
         return f"built for sm_90a (Hopper); this GPU is sm{cap[0]}{cap[1]}"
-    if args.q.dtype != torch.int8 or args.k.dtype != torch.int8:
-        return f"q/k must be int8 (got {args.q.dtype}, {args.k.dtype})"
+    q_dtypes = _RAW_Q_DTYPES if raw_q else (torch.int8,)
+    if args.q.dtype not in q_dtypes or args.k.dtype != torch.int8:
+        return f"q must be {' or '.join(map(str, q_dtypes))} and k int8 (got {args.q.dtype}, {args.k.dtype})"
     if args.v.dtype not in (torch.float8_e4m3fn, torch.float16):
         return f"v must be float8_e4m3fn (pv='fp8') or float16 (pv='fp16'); got {args.v.dtype}"
     dp = args.q.shape[-1]
@@ -127,6 +132,61 @@ def supports(args: KernelArgs) -> Optional[str]:
     return None
 
 
+def _rope_tables_reason(args: KernelArgs, tables) -> Optional[str]:
+    """None when the prologue can read these four rotary tables (c₁, s₁, c₂, s₂) for ``args.q`` (raw Q)."""
+    batch, hq, n_q, d = args.q.shape
+    half = (batch, hq, n_q, d // 2)
+    if len(tables) != 4:
+        return f"Q's rotary needs four tables (c1, s1, c2, s2), got {len(tables)}"
+    dtypes = {t.dtype for t in tables}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _ROPE_DTYPES:
+        return f"rotary tables must share one dtype among {list(_ROPE_DTYPES)} (got {sorted(map(str, dtypes))})"
+    for t in tables:
+        if t.device != args.device:
+            return f"rotary tables must be on {args.device} (got {t.device})"
+        try:
+            view = torch.broadcast_to(t, half)
+        except RuntimeError:
+            return f"rotary table of shape {tuple(t.shape)} does not broadcast to x1's {half}"
+        size = t.element_size()
+        strides = broadcast_strides(view)
+        if strides[-1] != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in strides[:3]):
+            return "rotary tables must be contiguous along the head dim with 16-byte aligned rows"
+    return None
+
+
+def supports_rope_q(args: KernelArgs, tables) -> Optional[str]:
+    """None when ``run_rope_q`` can take ``args`` (args.q: raw Q [B,Hq,Nq,D], D 64 or 128) with these tables."""
+    reason = supports(args, raw_q=True)
+    if reason is not None:
+        return reason
+    if args.head_dim != args.q.shape[-1]:
+        return f"Q's rotary in the kernel needs an unpadded head dim in {HEAD_DIMS} (got {args.head_dim})"
+    if args.v.dtype != torch.float8_e4m3fn or args.delta_s is not None or args.attn_mask is not None:
+        return "Q's rotary in the kernel runs with e4m3 PV and no ΔS / attn_mask"
+    if variant(args.q.shape[-1], False, args.k_thread_groups) == 0:
+        return "Q's rotary in the kernel runs on the one-warpgroup launch shapes (SAGE_SM90_VARIANT=0)"
+    return _rope_tables_reason(args, tables)
+
+
+def run_rope_q(args: KernelArgs, tables, q_out_scale: float, out: torch.Tensor, lse: torch.Tensor,
+               launch_variant: Optional[int] = None) -> None:
+    """``run`` with args.q = Q before its rotary: each CTA rotates its 64 rows with ``tables`` and quantizes them
+    per token in its prologue — prep.rope_quantize_reference(q, tables, None, q_out_scale) exactly — instead of
+    reading a prepared int8 Q and δQ (args.q_scale unused)."""
+    check_inputs(args, out, lse, "cuda")
+    reason = supports_rope_q(args, tables)
+    if reason is not None:
+        raise ValueError(f"sage.quantized_attention (sm90, Q's rotary in the kernel): {reason}")
+    half = (*args.q.shape[:3], args.q.shape[-1] // 2)
+    strides = [broadcast_strides(torch.broadcast_to(t, half)) for t in tables]
+    same = all(tables[i].data_ptr() == tables[i + 2].data_ptr() and strides[i] == strides[i + 2] for i in (0, 1))
+    _launch(args, out, lse, launch_variant, xq=args.q.data_ptr(), xq_fp16=args.q.dtype == torch.float16,
+            rope=[t.data_ptr() for t in tables], rope_dtype=_ROPE_DTYPES[tables[0].dtype], rope_same_halves=same,
+            q_out_scale=q_out_scale, extra_strides={"xq": tuple(args.q.stride()),
+                                                    **{f"rope{i}": st for i, st in enumerate(strides)}})
+
+
 def _strides(t: Optional[torch.Tensor]):
     return None if t is None else tuple(t.stride())
 
@@ -137,6 +197,10 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
     reason = supports(args)
     if reason is not None:
         raise ValueError(f"sage.quantized_attention (sm90): {reason}")
+    _launch(args, out, lse, launch_variant)
+
+
+def _launch(args: KernelArgs, out, lse, launch_variant, extra_strides=None, **rope_q) -> None:
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if batch == 0 or hq == 0 or n_q == 0:
@@ -144,7 +208,7 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
     pv16 = args.v.dtype == torch.float16
     strides = {name: _strides(getattr(args, name)) for name in
                ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
-    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
+    strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()), **(extra_strides or {}))
     strides.update({name: broadcast_strides(t) for name, t in (("delta_s", args.delta_s), ("mask", args.attn_mask))
                     if t is not None})  # read with stride 0 over size-1 dims
 
@@ -152,7 +216,7 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         return None if t is None else t.data_ptr()
 
     _sm90.attention(
-        q=ptr(args.q), q_scale=ptr(args.q_scale), k=ptr(args.k), k_scale=ptr(args.k_scale), v=ptr(args.v),
+        q=0 if rope_q else ptr(args.q), q_scale=ptr(args.q_scale), k=ptr(args.k), k_scale=ptr(args.k_scale), v=ptr(args.v),
         v_scale=ptr(args.v_scale), v_mean=ptr(args.v_mean), kv_lens=ptr(args.kv_lens), out=out.data_ptr(),
         lse=lse.data_ptr(), strides=strides,
         sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp),
@@ -162,17 +226,18 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
         variant=variant(dp, pv16, args.k_thread_groups) if launch_variant is None else launch_variant,
         k_thread_groups=args.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.q_group, mask=ptr(args.attn_mask),
-        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=pv16,
+        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=pv16, **rope_q,
     )
 
 
 def kernel_info(padded_head_dim: int, launch_variant: Optional[int] = None, k_thread_groups: bool = False,
-                biased: bool = False, pv16: bool = False) -> dict:
+                biased: bool = False, pv16: bool = False, rope_q: bool = False) -> dict:
     """Registers, local-memory (spill) bytes, dynamic shared memory and threads of the compiled kernel
     (``k_thread_groups``: the instantiation for per_thread δK; ``biased``: the one that reads ΔS / attn_mask,
     variants 1-3, variant 3 running variant 2's; ``pv16``: the fp16-PV one, PV16_VARIANTS; variants 1-3: the
-    instantiation with the pair epilogue, which bf16 outputs with a contiguous, unpadded head dim take). The
-    default variant is the one ``run`` picks for those inputs."""
+    instantiation with the pair epilogue, which bf16 outputs with a contiguous, unpadded head dim take; ``rope_q``: the
+    one that rotates and quantizes Q in its prologue, variants 1-3). The default variant is the one ``run`` picks for
+    those inputs."""
     chosen = variant(padded_head_dim, pv16, k_thread_groups) if launch_variant is None else launch_variant
-    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased, pv16), variant=VARIANTS[chosen],
-                k_thread_groups=k_thread_groups, biased=biased, pv16=pv16)
+    return dict(_sm90.kernel_info(padded_head_dim, chosen, k_thread_groups, biased, pv16, rope_q),
+                variant=VARIANTS[chosen], k_thread_groups=k_thread_groups, biased=biased, pv16=pv16, rope_q=rope_q)

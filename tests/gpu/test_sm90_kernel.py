@@ -26,7 +26,7 @@ from gpu_cases import (  # noqa: E402
     poisoned_outputs, random_mask,
 )
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import dispatch, spec  # noqa: E402
+from sage_compile import dispatch, prep, spec  # noqa: E402
 from sage_compile.kernels import KernelArgs  # noqa: E402
 from sage_compile.kernels import triton as tk  # noqa: E402
 
@@ -422,3 +422,82 @@ def test_fp16_pv_meets_issue_4_accuracy_bar(causal):
     (the spec itself reaches 0.99996/0.0093, 0.99979/0.0235, 0.999998/0.0016 on the CPU)."""
     check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], causal, "sm90_pv_fp16",
                            quant=spec.Quantization(pv="fp16"), bounds=ISSUE_4_BAR)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Q's rotary and quantization in the prologue (kRopeQ: sm90.run_rope_q, what sage.rope_q_attention runs)
+# ---------------------------------------------------------------------------------------------------
+def _rope_q_inputs(g, batch, hq, n_q, d, layout, kind, x_dtype):
+    """Raw Q [B,Hq,Nq,D] (attention layout, contiguous or a transposed [B,N,H,D] view) and the four tables:
+    'half' fp32 [N,1,D/2] broadcast over batch and heads; 'full' bf16 [B,1,N,D] sliced in halves (HF form)."""
+    if layout == "bnhd":
+        xq = (torch.randn(batch, n_q, hq, d, generator=g, device=DEV) * 3).to(x_dtype).transpose(1, 2)
+    else:
+        xq = (torch.randn(batch, hq, n_q, d, generator=g, device=DEV) * 3).to(x_dtype)
+    h = d // 2
+    if kind == "half":
+        cos, sin = (torch.rand(n_q, 1, h, generator=g, device=DEV) * 2 - 1 for _ in range(2))
+        c, s = (t.expand(n_q, hq, h).transpose(0, 1).expand(batch, hq, n_q, h) for t in (cos, sin))
+        return xq, [c, s, c, s]
+    full = [(torch.rand(batch, 1, n_q, d, generator=g, device=DEV) * 2 - 1).bfloat16() for _ in range(2)]
+    return xq, [full[0][..., :h], full[1][..., :h], full[0][..., h:], full[1][..., h:]]
+
+
+@pytest.mark.parametrize("variant", [1, 2, 3])
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_rope_q_prologue_equals_the_prepared_q(variant, data):
+    """The kernel that rotates and quantizes Q in its prologue gives the same bits (out and lse) as the same
+    launch shape fed the prep's int8 Q and δQ (prep.rope_quantize_reference, the spec of that step): the
+    prologue's δ, rounding and per-row scale are the prep's exactly. Rows past Nq, an all-zero row (δ subnormal:
+    the exact-division path), GQA, both layouts and table forms, causal, per_thread δK, and every out dtype."""
+    d = data.draw(st.sampled_from([64, 128]))
+    assume(sm90.variant_covers(variant, d))
+    causal = data.draw(st.sampled_from([0, 1, 2]))
+    base = data.draw(cases(causal))
+    case = dict(base, d=d, kv_lens=None, k_granularity=data.draw(st.sampled_from(["per_token", "per_thread"])))
+    args = make_case(**case)
+    g = torch.Generator(device=DEV).manual_seed(case["seed"] + 1)
+    xq, tables = _rope_q_inputs(g, case["batch"], case["hq"], case["n_q"], d, data.draw(st.sampled_from(["bhnd", "bnhd"])),
+                                data.draw(st.sampled_from(["half", "full"])),
+                                data.draw(st.sampled_from([torch.bfloat16, torch.float16])))
+    if case["n_q"] > 3:
+        xq[:, :, 2] = 0  # an all-zero row
+    out_scale = d ** -0.5 * spec.LOG2E
+    q8, q_scale = prep.rope_quantize_reference(xq.cpu(), [t.cpu() for t in tables], None, out_scale)
+    prepared = dataclasses.replace(args, q=q8.to(DEV), q_scale=q_scale.to(DEV))
+    expected = run_sm90(prepared, variant)
+    raw = dataclasses.replace(args, q=xq, q_scale=None)
+    assert sm90.supports_rope_q(raw, tables) is None, sm90.supports_rope_q(raw, tables)
+    out, lse = poisoned_outputs(prepared)
+    sm90.run_rope_q(raw, tables, out_scale, out, lse, launch_variant=variant)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
+
+
+def test_rope_q_prologue_refuses_what_it_cannot_read():
+    """Reasons, not wrong results: tables not contiguous along D, mixed table dtypes, a mask, fp16 PV."""
+    args = make_case(1, 2, 2, 100, 300, 128, seed=3)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    xq, tables = _rope_q_inputs(g, 1, 2, 100, 128, "bhnd", "half", torch.bfloat16)
+    raw = dataclasses.replace(args, q=xq, q_scale=None)
+    assert sm90.supports_rope_q(raw, tables) is None
+    every_other = torch.rand(100, 128, device=DEV)[..., ::2]  # [N, D/2], head-dim stride 2
+    strided = [every_other] * 4
+    assert "contiguous along the head dim" in sm90.supports_rope_q(raw, strided)
+    assert "one dtype" in sm90.supports_rope_q(raw, [tables[0], tables[1].bfloat16(), tables[2], tables[3]])
+    masked = dataclasses.replace(raw, attn_mask=torch.ones(1, 1, 100, 300, dtype=torch.bool, device=DEV))
+    assert "no ΔS / attn_mask" in sm90.supports_rope_q(masked, tables)
+    assert "int8" in sm90.supports_rope_q(dataclasses.replace(raw, q=xq.float()), tables)
+    with pytest.raises(ValueError, match="rotary"):
+        out, lse = poisoned_outputs(args)
+        sm90.run_rope_q(raw, strided, 0.1, out, lse)
+
+
+def test_rope_q_instantiations_fit():
+    """The prologue adds no spill to the default shapes' per_thread kernels (D=128: none; D=64 four CTAs: ≤ 16 B, as
+    without it) and stays within the launch shapes' register budgets."""
+    for d in sm90.HEAD_DIMS:
+        info = sm90.kernel_info(d, k_thread_groups=True, rope_q=True)
+        assert info["local_bytes"] <= (16 if info["variant"] == "one_warpgroup_4ctas" else 0), info
+        assert info["registers"] <= 168 and info["rope_q"], info
