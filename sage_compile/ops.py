@@ -8,12 +8,14 @@ sage_compile``): the backend, ``sage_attention`` and the tests import it.
   passes/absorb_rope.py): the rotary goes into a fused prep (``sage_compile/prep.py``: ``sage::rope_mean``,
   ``sage::rope_quantize``, Triton on CUDA) instead of Inductor's generic fusion.
 * ``sage::quantized_attention`` — opaque; its implementation is chosen per device by ``dispatch``.
+* ``sage::rope_q_attention`` — the same with Q given before its rotary: opt-in (SAGE_Q_PROLOGUE=1,
+  ``prep.q_prologue_reason``), sage.rope_attention leaves Q's rotary and quantization to the sm90 kernel's prologue.
 """
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +87,9 @@ def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None,
     quant = config.quantization()
     fused = None
     if prep.fast_path_reason(xq, xk, quant, kv_lens) is None:
-        fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=quant)
+        q_in_kernel = prep.q_prologue_reason(xq, q_tables, quant, attn_mask) is None
+        fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=quant,
+                                  q_in_kernel=q_in_kernel)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
 
 
@@ -111,6 +115,12 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
     else:
         p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens, v_prep=prep.prepare_v)
+    if p.q_rope is not None:  # (no mask, ΔS or kv_lens: prep.q_prologue_reason, fast_path_reason)
+        torch._dynamo.utils.counters["sage"]["q_rope_in_kernel"] += 1
+        tables, q_out_scale = p.q_rope
+        out, _ = torch.ops.sage.rope_q_attention(p.q, tables, q_out_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean,
+                                                 causal, q.shape[-1], q.dtype, p.k_thread_groups)
+        return out
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
         spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
@@ -184,6 +194,54 @@ def quantized_attention(
         return out, lse
     dispatch.run(args, out, lse)
     return out, lse
+
+
+@torch.library.custom_op("sage::rope_q_attention", mutates_args=())
+def rope_q_attention(
+    xq: torch.Tensor, q_tables: List[torch.Tensor], q_out_scale: float, k: torch.Tensor, k_scale: torch.Tensor,
+    v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], causal: int, head_dim: int,
+    out_dtype: torch.dtype, k_thread_groups: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantized_attention`` with q = rope(xq) quantized per token — ``prep.rope_quantize_reference(xq, q_tables,
+    None, q_out_scale)`` — done by the sm90 kernel's prologue (no int8 Q in memory; xq in any layout with its head
+    dim contiguous, so no ``needs_contiguous_strides``). Where the kernel cannot take these inputs at run time
+    (``sm90.supports_rope_q``) the prep's Q step runs first and the dispatcher picks the kernel, counted in
+    ``counters["sage"]["q_rope_outside_kernel"]`` with the reason warned once."""
+    out, lse = _empty_outputs(xq, k, head_dim, out_dtype)
+    if xq.shape[2] == 0:
+        return out, lse
+    args = KernelArgs(xq, None, k, k_scale, v, v_scale, v_mean, None, None, 128, causal, head_dim, out_dtype,
+                      None, k_thread_groups)
+    reason = _rope_q_kernel_reason(args, q_tables)
+    if reason is None:
+        from .kernels import sm90
+
+        sm90.run_rope_q(args, q_tables, q_out_scale, out, lse)
+        return out, lse
+    torch._dynamo.utils.counters["sage"]["q_rope_outside_kernel"] += 1
+    if reason not in _reported_fallbacks:
+        _reported_fallbacks.add(reason)
+        warnings.warn(f"sage.rope_q_attention: Q's rotary ran in the prep's kernel, not the attention kernel's "
+                      f"prologue: {reason}", stacklevel=2)
+    args.q, args.q_scale = prep.rope_quantize_op(xq, q_tables, None, q_out_scale)
+    dispatch.run(args, out, lse)
+    return out, lse
+
+
+def _rope_q_kernel_reason(args: KernelArgs, q_tables) -> Optional[str]:
+    if not args.device.type == "cuda":
+        return f"the sm90 kernel runs on CUDA (got {args.device.type})"
+    if "sage_compile.kernels.sm90" not in dispatch.kernel_order():
+        return "SAGE_KERNELS leaves out sm90"
+    sm90 = dispatch._load("sage_compile.kernels.sm90")
+    if sm90 is None:
+        return "the sm90 extension is not built"
+    return sm90.supports_rope_q(args, q_tables)
+
+
+@rope_q_attention.register_fake
+def _(xq, q_tables, q_out_scale, k, k_scale, v, v_scale, v_mean, causal, head_dim, out_dtype, k_thread_groups=False):
+    return _empty_outputs(xq, k, head_dim, out_dtype)
 
 
 @quantized_attention.register_fake

@@ -28,6 +28,7 @@ the summation order of μ.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -46,18 +47,43 @@ def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Ten
     return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
 
 
-def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization) -> spec.Prepared:
+def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization,
+                 q_in_kernel: bool = False) -> spec.Prepared:
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
-    [B,H,N,D]); only for what ``fast_path_reason`` accepts."""
+    [B,H,N,D]); only for what ``fast_path_reason`` accepts. ``q_in_kernel`` (``q_prologue_reason`` is None): Q's
+    step is left to the attention kernel — the result's q is xq and q_rope says how to rotate and quantize it."""
     thread_groups = quant.k_granularity == "per_thread"
     # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
     # does the same); Q first, so nothing runs between the two (not A/B'd against forward order)
-    q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
+    if q_in_kernel:
+        q8, q_scale, q_rope = xq, None, (list(q_tables), scale * spec.LOG2E)
+    else:
+        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
+        q_rope = None
     k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
     v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
-                         delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups)
+                         delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups,
+                         q_rope=q_rope)
+
+
+def q_prologue_reason(xq, q_tables, quant: spec.Quantization, attn_mask) -> Optional[str]:
+    """Why Q's rotary and quantization stay in the prep's own kernel rather than in the sm90 attention kernel's
+    prologue (None: sage.rope_q_attention takes raw Q). Opt-in, SAGE_Q_PROLOGUE=1: measured on the H100 in session
+    16 it was no faster (docs/results/q_prologue_ab_h100_s16.json: the prologue's ~700 instructions per thread at
+    D=128 cost the issue-bound kernel about what the Q kernel cost; per-token δK lost 4-7%, its kernel spilling
+    more). With the switch on, every site that passes these checks is routed; where the sm90 kernel cannot take
+    the inputs at run time (another GPU, strides) the op runs the prep's Q step itself, warned and counted."""
+    if os.environ.get("SAGE_Q_PROLOGUE", "").strip() != "1":
+        return "Q's rotary in the kernel's prologue is opt-in (SAGE_Q_PROLOGUE=1): measured no faster"
+    if quant.pv != "fp8" or attn_mask is not None:
+        return "Q's rotary in the kernel runs with e4m3 PV and no attn_mask"
+    if xq.dtype not in (torch.bfloat16, torch.float16):
+        return f"Q's rotary in the kernel reads bf16 or fp16 Q (got {xq.dtype})"
+    if len({t.dtype for t in q_tables}) != 1 or q_tables[0].dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return "Q's rotary in the kernel reads four tables of one dtype (bf16, fp16 or fp32)"
+    return None
 
 
 def prepare_v(v: torch.Tensor, quant: spec.Quantization, kv_lens: Optional[torch.Tensor] = None):

@@ -178,6 +178,9 @@ class Prepared:
     q_group: int  # Q tokens per delta_s row
     lse_shift: Optional[torch.Tensor]  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
     k_thread_groups: bool = False  # k_scale is constant over each per_thread group (k_granularity='per_thread')
+    # (tables, out_scale) when q is Q *before* its rotary, to be rotated and quantized per token by the kernel
+    # (prep.rope_quantize_reference(q, tables, None, out_scale) exactly; q_scale is then None): sage.rope_q_attention
+    q_rope: Optional[tuple] = None
 
 
 def prepare(

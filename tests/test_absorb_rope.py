@@ -206,3 +206,38 @@ def test_fast_path_reasons(reason_case):
     kv_lens = torch.ones(1, dtype=torch.int64) if reason_case == "kv_lens" else None
     assert prep.fast_path_reason(x, x, quant, kv_lens) is not None
     assert prep.fast_path_reason(torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 64), spec.Quantization(), None) is None
+
+
+@pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_thread")])
+def test_q_rotary_routed_to_the_kernel_prologue_falls_back_exactly(causal, k_granularity, monkeypatch):
+    """sage.rope_q_attention (Q's rotary and quantization left to the sm90 kernel's prologue), switched on with
+    SAGE_Q_PROLOGUE=1 on a CPU: the op finds no kernel that takes raw Q, says so (warning, counter), runs the
+    prep's Q step itself and gives the spec's output bit for bit."""
+    monkeypatch.setenv("SAGE_Q_PROLOGUE", "1")
+    n, d = 100, 64
+    g = torch.Generator().manual_seed(5)
+    xq, xk, v = (torch.randn(2, n, 2, d, generator=g).bfloat16() for _ in range(3))
+    cos, sin = (t[:, None, :] for t in tables(n, d, seed=5))
+    with pytest.warns(UserWarning, match="prologue: the sm90 kernel runs on CUDA"):
+        out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity)
+    assert counters["sage"]["q_rope_in_kernel"] == 1 and counters["sage"]["q_rope_outside_kernel"] == 1
+    q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
+    k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
+    quant = spec.Quantization(k_granularity=k_granularity)
+    assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
+
+
+def test_q_prologue_reasons(monkeypatch):
+    """Where Q's step stays in the prep: by default (opt-in switch), fp16 PV, a mask, fp32 Q, mixed table dtypes."""
+    x = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
+    tabs = [torch.empty(8, 32)] * 4
+    quant = spec.Quantization()
+    assert "opt-in" in prep.q_prologue_reason(x, tabs, quant, None)
+    monkeypatch.setenv("SAGE_Q_PROLOGUE", "1")
+    assert "e4m3 PV" in prep.q_prologue_reason(x, tabs, spec.Quantization(pv="fp16"), None)
+    assert "attn_mask" in prep.q_prologue_reason(x, tabs, quant, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    assert "bf16 or fp16 Q" in prep.q_prologue_reason(x.float(), tabs, quant, None)
+    assert "one dtype" in prep.q_prologue_reason(x, [tabs[0], tabs[0].bfloat16()] * 2, quant, None)
+    assert prep.q_prologue_reason(x, tabs, quant, None) is None
+    monkeypatch.setenv("SAGE_Q_PROLOGUE", "0")
+    assert "opt-in" in prep.q_prologue_reason(x, tabs, quant, None)
