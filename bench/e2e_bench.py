@@ -6,6 +6,8 @@ against its memory floor, and accuracy on ANCHORS.md's three distributions.
 
 ``--pv fp16``: every sage column runs SageConfig(pv="fp16", min_seq_len=0) (the prep columns stay the fp8
 prep): the thresholds would otherwise keep those sites on SDPA.
+``--q-prologue-ab``: one more column, pt_q1: pt with SAGE_Q_PROLOGUE=1 (Q's rotary + quantize in the sm90 kernel's
+prologue instead of the prep's own kernel; opt-in), compiled and called with that setting.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
 (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
@@ -106,6 +108,21 @@ def prep_two_pass_bytes(batch, n, heads, d) -> int:
     return prep_floor_bytes(batch, n, heads, d) + 2 * batch * n * heads * d * 2
 
 
+def with_env(fn, name: str, value: str):
+    """fn called (and so traced) with os.environ[name] = value, restored after each call."""
+    def call(*args):
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return call
+
+
 def count_kernels(fn, args) -> int:
     from torch._inductor.utils import run_and_get_code
 
@@ -138,6 +155,7 @@ def _main(argv=None):
     ap.add_argument("--static", action="store_true", help="compile sage and the prep per shape too")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--pv", default="fp8", choices=["fp8", "fp16"], help="SageConfig.pv of every sage column")
+    ap.add_argument("--q-prologue-ab", action="store_true", help="add pt with SAGE_Q_PROLOGUE=1 (column pt_q1)")
     opts = ap.parse_args(argv)
     ns = [int(x) for x in opts.n.split(",")]
     import triton
@@ -149,7 +167,7 @@ def _main(argv=None):
     results = dict(static=opts.static, device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
                    sage_kernel={}, pv=opts.pv,
-                   env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT")})
+                   env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT", "SAGE_Q_PROLOGUE")})
     sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
     for d in (int(x) for x in opts.d.split(",")):
         heads = SHAPES[d]
@@ -166,6 +184,10 @@ def _main(argv=None):
             sage_generic = sage_compile.compile(block, config=sage_cfg.replace(fuse_rope=False), dynamic=dynamic)
             sage_pt = sage_compile.compile(block, config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
             compiled[causal], compiled_pt[causal] = sage, sage_pt
+            extra = []
+            if opts.q_prologue_ab:
+                pt_q1 = sage_compile.compile(block, config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
+                extra = [("sage_pt_q1", with_env(pt_q1, "SAGE_Q_PROLOGUE", "1"))]
             prep = torch.compile(prep_only, dynamic=dynamic)
             fused = torch.compile(prep_fused, dynamic=dynamic)
             ropes = torch.compile(rope_only, dynamic=dynamic)
@@ -175,15 +197,18 @@ def _main(argv=None):
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
                 for name, fn in (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
-                                 ("sage_pt", sage_pt), ("prep", prep), ("prep_fused", fused), ("rope", ropes)):
+                                 ("sage_pt", sage_pt), *extra, ("prep", prep), ("prep_fused", fused),
+                                 ("rope", ropes)):
                     with torch.no_grad():
                         fn(*sets[0])
                         row[f"{name}_ms"] = _bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets]))
                 for name, fn in (("prep", prep), ("prep_fused", fused), ("rope", ropes)):  # GPU time alone
                     with torch.no_grad():
                         row[f"{name}_graph_ms"] = _graph_ms(lambda f=fn: f(*sets[0]))
-                for name in ("inductor", "sage", "sage_generic", "sage_pt"):
+                for name in ("inductor", "sage", "sage_generic", "sage_pt", *(e[0] for e in extra)):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
+                if extra:
+                    row["speedup_per_thread_k_q1"] = row["inductor_ms"] / row["sage_pt_q1_ms"]
                 row["speedup"] = row["inductor_ms"] / row["sage_ms"]
                 row["speedup_per_thread_k"] = row["inductor_ms"] / row["sage_pt_ms"]
                 row["speedup_generic_prep"] = row["inductor_ms"] / row["sage_generic_ms"]
@@ -216,7 +241,8 @@ def _main(argv=None):
               f"{r['sage_generic_tops']:>7.0f} {r['sage_pt_tops']:>6.0f} {r['speedup']:>5.2f} "
               f"{r['speedup_generic_prep']:>5.2f} {r['speedup_per_thread_k']:>5.2f} "
               f"{r['prep_graph_ms']:>7.3f} {r['prep_fused_graph_ms']:>7.3f} {r['rope_graph_ms']:>7.3f} "
-              f"{r['prep_floor_ms']:>6.3f} {r['prep_fused_graph_over_floor']:>6.2f}")
+              f"{r['prep_floor_ms']:>6.3f} {r['prep_fused_graph_over_floor']:>6.2f}"
+              + (f" | pt_q1 {r['sage_pt_q1_tops']:.0f} x {r['speedup_per_thread_k_q1']:.2f}" if "sage_pt_q1_tops" in r else ""))
     for a in results["accuracy"]:
         print(f"accuracy D{a['d']} K {a['k_granularity']:>10} {a['dist']:>12} causal={int(a['causal'])}: cos {a['cos']:.6f} "
               f"relL1 {a['rel_l1']:.4f} rmse {a['rmse']:.2e}")

@@ -42,6 +42,20 @@ def sweep_candidates(d):
     return ["64,128,4,3,tma", "64,128,4,4,tma", "128,128,4,3", "64,64,4,3"]
 
 
+def add_shape_args(ap, d="128,64", n="1024,2048,4096,8192,16384,32768", k="per_token,per_thread", reps=2):
+    """The shape options the side-by-side tools share (tools/sm90_variants.py, tools/ab/sm90_builds.py,
+    tools/q_prologue_ab.py): comma-separated head dims, lengths, causal flags, δK granularities; rounds."""
+    ap.add_argument("--d", default=d)
+    ap.add_argument("--n", default=n)
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--k", default=k)
+    ap.add_argument("--reps", type=int, default=reps)
+
+
+def ints(text: str) -> list:
+    return [int(x) for x in text.split(",")]
+
+
 def _bench_ms(fn):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

@@ -302,6 +302,40 @@ def _session15_experiments() -> list:
     return lines
 
 
+def _session16_q_prologue() -> list:
+    """Session 16: Q's rotary + quantize in the sm90 kernel's prologue (opt-in, SAGE_Q_PROLOGUE=1): kernel-level A/B
+    of both versions, and end to end beside the prep's Q kernel."""
+    lines = []
+    for name, title in (("q_prologue_ab_first_h100_s16.json", "first version"), ("q_prologue_ab_h100_s16.json", "main")):
+        ab = _load(name)
+        if not ab:
+            continue
+        lines += [f"## Q's rotary in the sm90 kernel's prologue, kernel level ({title}, session 16) — {ab['device']}, "
+                  f"torch {ab['torch']}", "", f"`{name}` (`{ab['command']}`): {ab['note']} GPU ms (median of "
+                  "do_bench_cudagraph, best of the rounds); saved = q_prep + kernel − prologue (negative: the prologue "
+                  "costs more than the Q kernel it replaces); equal = the two kernels' outputs bit for bit.", "",
+                  "| D | causal | N | K | Q kernel | attention kernel | kernel with prologue | saved | equal |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in ab["rows"]:
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r['k']} | {r['q_prep_ms']:.4f} | {r['kernel_ms']:.4f} | "
+                         f"{r['prologue_ms']:.4f} | {r['saved_ms']:+.4f} | {r['equal']} |")
+        lines.append("")
+    for name in ("e2e_bench_q_prologue_h100_s16a.json", "e2e_bench_q_prologue_h100_s16b.json"):
+        e2e = _load(name)
+        if not e2e:
+            continue
+        lines += [f"## End to end, per_thread K, Q in the prep's kernel vs the kernel's prologue (session 16) — "
+                  f"{e2e['device']}, torch {e2e['torch']}", "", f"`{name}` (`python -m bench.e2e_bench --d 128 "
+                  f"--q-prologue-ab --no-accuracy`): {e2e['note']}", "",
+                  "| D | causal | N | inductor TOPS | pt TOPS (Q kernel) | speed-up | pt TOPS (prologue) | speed-up |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in e2e["rows"]:
+            lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_pt_tops']:.0f} | "
+                         f"{r['speedup_per_thread_k']:.2f} | {r['sage_pt_q1_tops']:.0f} | {r['speedup_per_thread_k_q1']:.2f} |")
+        lines.append("")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -391,6 +425,7 @@ def main() -> int:
     lines += _pv16_tables()
     lines += _d64_four_ctas_tables()
     lines += _session15_experiments()
+    lines += _session16_q_prologue()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [

@@ -20,24 +20,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _make_inputs, _outputs, _rotating  # noqa: E402
+from bench.kernel_bench import (N_SETS, SHAPES, TOKENS, _bench_ms, _make_inputs, _outputs, _rotating,  # noqa: E402
+                                add_shape_args, ints)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="2,3")
-    ap.add_argument("--d", default="64")
-    ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--k", default="per_token,per_thread")
-    ap.add_argument("--reps", type=int, default=2)
+    add_shape_args(ap, d="64")
     opts = ap.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from sage_compile import spec
     from sage_compile.kernels import KernelArgs, sm90
 
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     variants = ints(opts.variants)
     rows = []
     for d in ints(opts.d):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
-from bench.kernel_bench import SHAPES, TOKENS, _bench_ms, _make_inputs, _outputs, _rotating
+from bench.kernel_bench import SHAPES, TOKENS, _bench_ms, _make_inputs, _outputs, _rotating, add_shape_args, ints
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs, sm90
 
@@ -48,13 +48,8 @@ def main(argv=None):
     ap.add_argument("old_so")
     ap.add_argument("--old-variant", type=int, default=2)
     ap.add_argument("--new-variants", default="2")
-    ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--d", default="128,64")
-    ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--k", default="per_token,per_thread")
-    ap.add_argument("--reps", type=int, default=3)
+    add_shape_args(ap, reps=3)
     opts = ap.parse_args(argv)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     old, new = load_build(opts.old_so), sm90._sm90
     kernels = [("old", old, opts.old_variant)] + [("new", new, v) for v in ints(opts.new_variants)]
     names = [f"{tag} v{v}" for tag, _, v in kernels]
