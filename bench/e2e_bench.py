@@ -7,7 +7,8 @@ against its memory floor, and accuracy on ANCHORS.md's three distributions.
 ``--pv fp16``: every sage column runs SageConfig(pv="fp16", min_seq_len=0) (the prep columns stay the fp8
 prep): the thresholds would otherwise keep those sites on SDPA.
 ``--q-prologue-ab``: one more column, pt_q1: pt with SAGE_Q_PROLOGUE=1 (Q's rotary + quantize in the sm90 kernel's
-prologue instead of the prep's own kernel; opt-in), compiled and called with that setting.
+prologue instead of the prep's own kernel; opt-in), compiled and called with that setting — and pt then runs under
+SAGE_Q_PROLOGUE=0 through the same wrapper, so both columns pay its few µs of host time per call.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
 (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
@@ -188,6 +189,7 @@ def _main(argv=None):
             if opts.q_prologue_ab:
                 pt_q1 = sage_compile.compile(block, config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
                 extra = [("sage_pt_q1", with_env(pt_q1, "SAGE_Q_PROLOGUE", "1"))]
+                sage_pt = with_env(sage_pt, "SAGE_Q_PROLOGUE", "0")  # the same wrapper on both sides
             prep = torch.compile(prep_only, dynamic=dynamic)
             fused = torch.compile(prep_fused, dynamic=dynamic)
             ropes = torch.compile(rope_only, dynamic=dynamic)

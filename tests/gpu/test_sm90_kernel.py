@@ -476,7 +476,8 @@ def test_rope_q_prologue_equals_the_prepared_q(variant, data):
 
 
 def test_rope_q_prologue_refuses_what_it_cannot_read():
-    """Reasons, not wrong results: tables not contiguous along D, mixed table dtypes, a mask, fp16 PV."""
+    """Reasons, not wrong results: tables not contiguous along D, mixed table dtypes, a mask, fp32 Q; run_rope_q
+    raises with the reason."""
     args = make_case(1, 2, 2, 100, 300, 128, seed=3)
     g = torch.Generator(device=DEV).manual_seed(3)
     xq, tables = _rope_q_inputs(g, 1, 2, 100, 128, "bhnd", "half", torch.bfloat16)
@@ -488,7 +489,7 @@ def test_rope_q_prologue_refuses_what_it_cannot_read():
     assert "one dtype" in sm90.supports_rope_q(raw, [tables[0], tables[1].bfloat16(), tables[2], tables[3]])
     masked = dataclasses.replace(raw, attn_mask=torch.ones(1, 1, 100, 300, dtype=torch.bool, device=DEV))
     assert "no ΔS / attn_mask" in sm90.supports_rope_q(masked, tables)
-    assert "int8" in sm90.supports_rope_q(dataclasses.replace(raw, q=xq.float()), tables)
+    assert "torch.bfloat16 or torch.float16" in sm90.supports_rope_q(dataclasses.replace(raw, q=xq.float()), tables)
     with pytest.raises(ValueError, match="rotary"):
         out, lse = poisoned_outputs(args)
         sm90.run_rope_q(raw, strided, 0.1, out, lse)
