@@ -20,15 +20,21 @@ from torch.library import wrap_triton
 
 from ..spec import THREAD_GROUP_KEYS
 
-# Measured with tools/prep_tune.py on the H100 (GPU time, CUDA graphs; N=16K D=128 and N=4K D=64):
-# quantize 64 tokens × 8 warps 1.53× its floor; mean 128 tokens × 2 tiles × 4 warps 1.41-1.48×.
-BLOCK_N, QUANTIZE_WARPS = 64, 8  # tokens per tile of the quantize kernel
-# per_thread K groups fix the quantize tile at one 128-key block; warps by head dim (tools/prep_tune.py's per_thread
-# sweep; H100, session 15, K with μ, B·N = 16K: D=128 16 warps 0.0569 ms vs 8 0.0625, 4 0.0694; D=64 8 warps 0.0536
-# vs 16 0.0573, 4 0.0575 — docs/results/prep_k_per_thread_warps_h100_s15.json).
-THREAD_GROUP_WARPS = {64: 8, 128: 16}
-SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 128, 2, 4  # the mean: a constant split (no guard on N)
-V_BLOCK_N, V_WARPS = 64, 8  # V quantize (tools/prep_tune.py, H100 16K: 1.14× its floor; amax 128×2, 4 warps: 1.31×)
+# Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
+# tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_h100_s17.json): ~16 elements per thread.
+# Per-token quantize: 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8: 1.57-1.65×), on 4 at D=64
+# (1.21-1.33×). The head-dim choices are comparisons: under dynamic shapes D can still be a SymInt at launch.
+QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_WARPS_D64 = 32, 8, 4
+# per_thread K groups fix the quantize tile at one 128-key block: 16 warps at D=128, 8 at D=64 (session 15's sweep,
+# docs/results/prep_k_per_thread_warps_h100_s15.json; session 17's agrees).
+THREAD_GROUP_WARPS, THREAD_GROUP_WARPS_D64 = 16, 8
+# The reductions (μK's sums, δV's amax): a constant split of TILES_PER_SPLIT·SUM_BLOCK_N tokens (no guard on N), its
+# tiles accumulated element-wise. tools/ab/prep_kernels.py --sweep (H100, session 17, B·N = 16K tokens, 4K and 16K):
+# 16-token tiles × 16; sums on 2 warps 1.27-1.39× their floor (the old 128 × 2 on 4 warps, reducing every tile:
+# 1.58-1.79×); δV's amax on 2 warps at D=64 (1.11×) and 4 at D=128 (1.23×; 2 warps there: 1.6×).
+SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
+AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
+V_BLOCK_N, V_WARPS = 64, 8  # V quantize (tools/prep_tune.py, H100 16K: 1.14× its floor)
 
 
 @triton.jit
@@ -45,6 +51,31 @@ def _mul_rn(a, b):
     """IEEE a·b keeping subnormals (never contracted into an FMA)."""
     return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, tl.broadcast_to(b, a.shape)],
                                      dtype=tl.float32, is_pure=True, pack=1)
+
+
+# x̂ = rint(x/δ) (IEEE division, round half to even) as the bits of M + x̂ (M = 1.5·2^23; the low byte is x̂'s int8),
+# paying the division only where it could differ from one FMA. y = fma(x, inv, M) with inv = 1/δ rounded is M + rint(x·inv);
+# x·inv is within 2^-24·128 < 7.7e-6 of x/δ and the division rounds x/δ by at most 3.9e-6 (half an ulp below 128),
+# so rint of both agree unless x·inv lies within 1.2e-5 of a half-integer. e = x·inv − (y − M) flags that from 2e-5
+# (|e| ≥ 0.49998, or NaN: a subnormal δ, whose inverse overflows), and only then is the division done. |x̂| ≤ 127 with
+# no clamp: |x| ≤ amax and δ ≥ amax/127 (spec.fma_friendly rounds δ up). The same algebra as the sm90 kernel's
+# quantized_bits_fast/_exact (csrc/sm90/kernel.cuh). Per element: 6 SASS instructions instead of ~14 (division, rint,
+# clamp, convert); measured on the H100 (session 17, tools/ab/prep_kernels.py, bit-equal): the quantize kernels 5-10%
+# faster at D=128, 15-24% at D=64.
+@triton.jit
+def _quantized_int8(x, inv, delta):
+    """int8 rint(x/δ) (spec.quantize_symmetric's x̂, |x| ≤ 127·δ) from inv = 1/δ (IEEE), as described above. One PTX
+    block per element; the vote makes the division's branch warp-uniform (taken when any lane needs it), and the
+    lanes that do not keep their FMA result. (Adjacent literals, not a module constant: Inductor copies this
+    function's source into its generated code, and a multi-line global string did not survive that.)"""
+    bits = tl.inline_asm_elementwise(
+        "{ .reg .f32 y, t, e; .reg .pred p, w; "
+        "fma.rn.f32 y, $1, $2, 0f4B400000; sub.rn.f32 t, y, 0f4B400000; neg.f32 t, t; fma.rn.f32 e, $1, $2, t; "
+        "abs.f32 e, e; setp.geu.f32 p, e, 0f3EFFFD61; vote.sync.any.pred w, p, 0xffffffff; @!w bra.uni DONE; "
+        "@p div.rn.f32 t, $1, $3; @p cvt.rni.f32.f32 t, t; @p add.rn.f32 y, t, 0f4B400000; DONE: mov.b32 $0, y; }",
+        "=r,f,f,f", [x, tl.broadcast_to(inv, x.shape), tl.broadcast_to(delta, x.shape)],
+        dtype=tl.int32, is_pure=True, pack=1)
+    return bits.to(tl.int8)
 
 
 @triton.jit
@@ -85,25 +116,27 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
                      out_ptr, H, N, TILES_PER_SPLIT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr):
-    """out[bh, split, :] = Σ over the split's tokens of rope(x) (tiles in order: deterministic)."""
+    """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
+    accumulator (no cross-thread step per tile, so one tile's loads overlap the last one's adds), reduced over its
+    rows once at the end (a fixed order: deterministic)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
     cols = tl.arange(0, HALF)
-    acc1 = tl.zeros([HALF], dtype=tl.float32)
-    acc2 = tl.zeros([HALF], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         mask = (rows < N)[:, None]
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
                             SAME_HALVES)
-        acc1 += tl.sum(r1, axis=0)
-        acc2 += tl.sum(r2, axis=0)
+        acc1 += r1
+        acc2 += r2
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
-    tl.store(base + cols, acc1)
-    tl.store(base + HALF + cols, acc2)
+    tl.store(base + cols, tl.sum(acc1, axis=0))
+    tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
 
 
 @triton.jit
@@ -136,10 +169,9 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
         amax = tl.reshape(tl.broadcast_to(group_max[None, :, None], (BLOCK // 16, 4, 4)), (BLOCK,))
     delta = _div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full([BLOCK], 127.0, tl.float32))
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
-    q1 = libdevice.rint(_div_rn(r1, delta[:, None]))
-    q2 = libdevice.rint(_div_rn(r2, delta[:, None]))
-    q1 = tl.minimum(tl.maximum(q1, -127.0), 127.0).to(tl.int8)
-    q2 = tl.minimum(tl.maximum(q2, -127.0), 127.0).to(tl.int8)
+    inv = _div_rn(tl.full([BLOCK], 1.0, tl.float32), delta)
+    q1 = _quantized_int8(r1, inv[:, None], delta[:, None])
+    q2 = _quantized_int8(r2, inv[:, None], delta[:, None])
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
     tl.store(out, q1, mask=mask)
     tl.store(out + HALF, q2, mask=mask)
@@ -149,19 +181,20 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
 @triton.jit
 def _absmax_sum_kernel(x_ptr, sxb, sxh, sxn, sxd, out_ptr, H, N, TILES_PER_SPLIT,
                        D: tl.constexpr, BLOCK: tl.constexpr):
-    """out[bh, split, :] = max over the split's tokens of |x| per channel (δV's reduction, first pass)."""
+    """out[bh, split, :] = max over the split's tokens of |x| per channel (δV's reduction, first pass; like
+    _rope_sum_kernel, element-wise into a [BLOCK, D] accumulator, reduced over its rows at the end)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, D], dtype=tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                     mask=(rows < N)[:, None], other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.max(tl.abs(x), axis=0))
-    tl.store(out_ptr + (bh * tl.num_programs(1) + split) * D + cols, acc)
+        acc = tl.maximum(acc, tl.abs(x))
+    tl.store(out_ptr + (bh * tl.num_programs(1) + split) * D + cols, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -203,14 +236,17 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
-                         block: int = BLOCK_N, warps: Optional[int] = None, thread_groups: bool = False) -> None:
+                         block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
-    groups, in tiles of one key block). warps: QUANTIZE_WARPS, or THREAD_GROUP_WARPS by head dim, unless given."""
+    groups, in tiles of one key block). block and warps: the measured defaults above by head dim, unless given."""
     batch, heads, n, d = x.shape
+    small = d <= 64
     if thread_groups:
         block = THREAD_GROUP_KEYS
-    if warps is None:
-        warps = THREAD_GROUP_WARPS.get(d, QUANTIZE_WARPS) if thread_groups else QUANTIZE_WARPS
+        warps = warps or (THREAD_GROUP_WARPS_D64 if small else THREAD_GROUP_WARPS)
+    else:
+        block = block or QUANTIZE_BLOCK_N
+        warps = warps or (QUANTIZE_WARPS_D64 if small else QUANTIZE_WARPS)
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, block))](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
@@ -219,9 +255,11 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
 
 
 def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,
-                    warps: int = SUM_WARPS) -> torch.Tensor:
-    """fp32 [B·H, splits, D]: max |x| per channel over each split's tiles·block tokens."""
+                    warps: Optional[int] = None) -> torch.Tensor:
+    """fp32 [B·H, splits, D]: max |x| per channel over each split's tiles·block tokens (warps: AMAX_WARPS by D; a
+    comparison, not a dict lookup: under dynamic shapes D is still a SymInt here, and hashing it broke the graph)."""
     batch, heads, n, d = x.shape
+    warps = warps or (AMAX_WARPS_D64 if d <= 64 else AMAX_WARPS)
     splits = triton.cdiv(n, tiles * block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     wrap_triton(_absmax_sum_kernel)[(batch * heads, splits)](*_x_args(x), partial, heads, n, tiles, D=d, BLOCK=block,

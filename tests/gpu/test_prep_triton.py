@@ -58,6 +58,34 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     assert torch.equal(scale.cpu(), ref_scale)
 
 
+@pytest.mark.parametrize("thread_groups", [False, True])
+def test_rope_quantize_rounds_ties_and_near_ties_like_the_division(thread_groups):
+    """The quantize kernels take x̂ from one FMA with 1/δ and divide only where x·(1/δ) lies near a half-integer
+    (prep_triton._QUANTIZE_ASM). fp32 x through an identity rotary, rows by index mod 3: exact ties under δ = 1
+    (x = k + ½, amax 127); exact ties under δ = 3, whose inverse is inexact (x = 3(k + ½), amax 381: x·(1/δ) lands
+    a hair off the tie); one fp32 step either side of those; and an all-zero row (subnormal δ: 1/δ overflows).
+    Every byte and scale must be the reference's (IEEE division, round half to even)."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    n, d = 256, 128
+    k = torch.randint(-126, 126, (n, d), generator=g, device=DEV).double()
+    group = (torch.arange(n, device=DEV) % 3)[:, None]
+    x = torch.where(group == 0, k + 0.5, 3 * (k + 0.5))
+    x[:, 0] = torch.where(group[:, 0] == 0, 127.0, 381.0)  # the row's amax: δ = 1 or 3 exactly
+    x = x.float()
+    step = torch.where(torch.arange(d, device=DEV) % 2 == 0, float("inf"), float("-inf")).expand(n, d)
+    x = torch.where((group == 2) & (torch.arange(d, device=DEV) > 0), torch.nextafter(x, step), x)
+    x[5] = 0.0
+    x = x.view(1, 1, n, d)
+    ones, zeros = torch.ones(1, 1, n, d // 2, device=DEV), torch.zeros(1, 1, n, d // 2, device=DEV)
+    tables = [ones, zeros, ones, zeros]  # rope(x) = x
+    x8, scale = torch.ops.sage.rope_quantize(x, tables, None, 1.0, thread_groups)
+    ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None, 1.0, thread_groups)
+    assert torch.equal(x8.cpu(), ref8), (x8.cpu().int() - ref8.int()).abs().max()
+    assert torch.equal(scale.cpu(), ref_scale)
+    if not thread_groups:  # the ties were ties: every one rounded to an even k
+        assert (ref8[0, 0, (group[:, 0] < 2).cpu() & (torch.arange(n) != 5), 1:].int() % 2 == 0).all()
+
+
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 65, 1000, 5000]),
        d=st.sampled_from([64, 128]), kind=st.sampled_from(["half", "full"]), seed=st.integers(0, 2**16))

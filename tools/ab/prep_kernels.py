@@ -1,0 +1,183 @@
+"""The fused rope prep's Triton kernels of this tree against another revision's, side by side in one process:
+same inputs, outputs compared (the quantize kernels' bytes and scales bit for bit, the sums to fp32 rounding),
+GPU time per call (median of do_bench_cudagraph: host launch cost out), and the whole prep (prep.rope_prepare,
+per-token and per_thread K) with either module behind the ops. Then a sweep of the new sum kernels' tiles.
+
+    python tools/ab/prep_kernels.py [--rev HEAD] [--n 4096,16384] [--d 128,64] [--tables fp32,bf16] [--reps 3]
+
+The old module is `git show REV:sage_compile/kernels/prep_triton.py`, loaded beside the installed one. Floors as in
+tools/prep_tune.py (3.0 TB/s copy rate). Writes $OUT/prep_kernels_ab.json when OUT is set; a table last.
+"""
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # repo root
+import sage_compile.kernels as kernels_pkg  # noqa: E402
+from bench.kernel_bench import ints  # noqa: E402
+from sage_compile import prep, spec  # noqa: E402
+from sage_compile.kernels import prep_triton as new  # noqa: E402
+
+BANDWIDTH = 3.0e12  # bytes/s, the H100's measured copy rate (e2e_bench copy_bandwidth)
+
+
+def load_old(rev: str):
+    src = subprocess.run(["git", "show", f"{rev}:sage_compile/kernels/prep_triton.py"], check=True,
+                         capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "prep_triton_old.py")
+    with open(path, "w") as f:
+        f.write(src)
+    module_spec = importlib.util.spec_from_file_location("sage_compile.kernels._prep_triton_old", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def graph_ms(fn, reps: int) -> float:
+    return min(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") for _ in range(reps))
+
+
+def inputs(n: int, d: int, table_dtype):
+    heads, batch = (16 if d == 128 else 32), max(1, 16384 // n)
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    x = (torch.randn(batch, n, heads, d, device="cuda", generator=g) * 2).bfloat16().transpose(1, 2)
+    v = torch.randn(batch, n, heads, d, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    angles = torch.rand(n, 1, d // 2, device="cuda", generator=g) * 6.3
+    cos, sin = (t.to(table_dtype).expand(batch, n, heads, d // 2).transpose(1, 2) for t in (angles.cos(), angles.sin()))
+    return x, v, [cos, sin, cos, sin]
+
+
+def with_module(module, fn):
+    """fn() with `module` as sage_compile.kernels.prep_triton (the ops import it at call time)."""
+    def call():
+        saved = kernels_pkg.prep_triton
+        kernels_pkg.prep_triton = sys.modules["sage_compile.kernels.prep_triton"] = module
+        try:
+            return fn()
+        finally:
+            kernels_pkg.prep_triton = sys.modules["sage_compile.kernels.prep_triton"] = saved
+    return call
+
+
+def kernel_rows(old, x, v, tables, reps):
+    batch, heads, n, d = x.shape
+    args = prep._table_args(tables, (batch, heads, n, d // 2))
+    mean = (torch.randn(batch, heads, 1, d, device="cuda") * 0.1).contiguous()
+    floor_q = (x.numel() * 3 + batch * heads * n * 4) / BANDWIDTH * 1e3
+    floor_read = x.numel() * 2 / BANDWIDTH * 1e3
+    rows = []
+
+    def quantize(module, with_mean, groups, out_scale):
+        x8 = torch.empty(batch, heads, n, d, dtype=torch.int8, device="cuda")
+        scales = torch.empty(batch, heads, n, device="cuda")
+        fn = lambda: module.launch_rope_quantize(x, args, True, mean if with_mean else None, x8, scales, out_scale,  # noqa: E731
+                                                 thread_groups=groups)
+        fn()
+        return fn, (x8, scales)
+
+    for name, with_mean, groups, out_scale in (("Q quantize (per token)", False, False, d ** -0.5 * spec.LOG2E),
+                                               ("K quantize (per token, μ)", True, False, 1.0),
+                                               ("K quantize (per_thread, μ)", True, True, 1.0)):
+        f_old, o_old = quantize(old, with_mean, groups, out_scale)
+        f_new, o_new = quantize(new, with_mean, groups, out_scale)
+        equal = all(torch.equal(a, b) for a, b in zip(o_old, o_new))
+        rows.append(dict(kernel=name, old_ms=graph_ms(f_old, reps), new_ms=graph_ms(f_new, reps), floor_ms=floor_q,
+                         equal=equal))
+    s_old = old.rope_partial_sums(x, args, True)
+    s_new = new.rope_partial_sums(x, args, True)
+    m_old, m_new = s_old.sum(dim=1) / n, s_new.sum(dim=1) / n
+    rel = ((m_old - m_new).abs().max() / m_old.abs().mean()).item()
+    rows.append(dict(kernel="K μ partial sums", old_ms=graph_ms(lambda: old.rope_partial_sums(x, args, True), reps),
+                     new_ms=graph_ms(lambda: new.rope_partial_sums(x, args, True), reps), floor_ms=floor_read,
+                     equal=rel < 1e-5, max_rel_diff=rel))
+    a_old, a_new = old.absmax_partials(v).amax(dim=1), new.absmax_partials(v).amax(dim=1)
+    rows.append(dict(kernel="V amax partials", old_ms=graph_ms(lambda: old.absmax_partials(v), reps),
+                     new_ms=graph_ms(lambda: new.absmax_partials(v), reps), floor_ms=floor_read,
+                     equal=torch.equal(a_old, a_new)))
+    for granularity in ("per_token", "per_thread"):
+        quant = spec.Quantization(k_granularity=granularity)
+        run = lambda: prep.rope_prepare(x, x, v, tables, tables, d ** -0.5, quant)  # noqa: E731
+        p_old, p_new = with_module(old, run)(), with_module(new, run)()
+        equal = all(torch.equal(getattr(p_old, f), getattr(p_new, f)) for f in ("q", "q_scale", "v", "v_scale"))
+        k_diff = (p_old.k.int() - p_new.k.int()).abs().max().item()  # μ's summation order may move a rounding
+        rows.append(dict(kernel=f"whole prep ({granularity} K)", old_ms=graph_ms(with_module(old, run), reps),
+                         new_ms=graph_ms(with_module(new, run), reps), floor_ms=(3 * x.numel() * 3) / BANDWIDTH * 1e3,
+                         equal=equal and k_diff <= 1, k_max_diff=k_diff))
+    return rows
+
+
+def sweep_rows(x, v, tables, reps):
+    batch, heads, n, d = x.shape
+    args = prep._table_args(tables, (batch, heads, n, d // 2))
+    floor_read = x.numel() * 2 / BANDWIDTH * 1e3
+    rows = []
+    for block, tiles, warps in itertools.product((16, 32, 64), (4, 8, 16), (2, 4, 8)):
+        if block * tiles > 1024:
+            continue
+        ms = graph_ms(lambda: new.rope_partial_sums(x, args, True, block, tiles, warps), reps)
+        ms_v = graph_ms(lambda: new.absmax_partials(v, block, tiles, warps), reps)
+        rows.append(dict(block=block, tiles=tiles, warps=warps, sum_ms=ms, amax_ms=ms_v, floor_ms=floor_read))
+    return rows
+
+
+def quantize_sweep_rows(x, tables, reps):
+    """The new quantize kernel's tile and warps: per-token K (with μ) by block × warps, per_thread K by warps."""
+    batch, heads, n, d = x.shape
+    args = prep._table_args(tables, (batch, heads, n, d // 2))
+    mean = (torch.randn(batch, heads, 1, d, device="cuda") * 0.1).contiguous()
+    x8 = torch.empty(batch, heads, n, d, dtype=torch.int8, device="cuda")
+    scales = torch.empty(batch, heads, n, device="cuda")
+    floor_q = (x.numel() * 3 + batch * heads * n * 4) / BANDWIDTH * 1e3
+    rows = []
+    for groups, block, warps in [*((False, b, w) for b, w in itertools.product((32, 64, 128), (4, 8, 16))),
+                                 *((True, 128, w) for w in (4, 8, 16))]:
+        ms = graph_ms(lambda: new.launch_rope_quantize(x, args, True, mean, x8, scales, block=block, warps=warps,
+                                                       thread_groups=groups), reps)
+        rows.append(dict(per_thread=groups, block=block, warps=warps, ms=ms, floor_ms=floor_q))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--n", default="4096,16384")
+    ap.add_argument("--d", default="128,64")
+    ap.add_argument("--tables", default="fp32,bf16")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the new sum kernels' block/tiles/warps")
+    a = ap.parse_args()
+    old = load_old(a.rev)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  rev=a.rev, shapes=[])
+    for d, n, tdt in itertools.product(ints(a.d), ints(a.n), a.tables.split(",")):
+        x, v, tables = inputs(n, d, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[tdt]))
+        shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=kernel_rows(old, x, v, tables, a.reps))
+        if a.sweep and tdt == a.tables.split(",")[0]:
+            shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
+            shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
+        result["shapes"].append(shape)
+        print(f"N={n} D={d} tables {tdt}", flush=True)
+        for r in shape["kernels"]:
+            print(f"  {r['kernel']:30s} old {r['old_ms']:.4f} new {r['new_ms']:.4f} ms ({r['new_ms'] / r['old_ms'] - 1:+.1%}; "
+                  f"{r['old_ms'] / r['floor_ms']:.2f}x -> {r['new_ms'] / r['floor_ms']:.2f}x floor) equal {r['equal']}", flush=True)
+        for r in sorted(shape.get("sum_sweep", []), key=lambda r: r["sum_ms"] + r["amax_ms"])[:6]:
+            print(f"  sweep block {r['block']} tiles {r['tiles']} warps {r['warps']}: sum {r['sum_ms']:.4f} amax {r['amax_ms']:.4f} "
+                  f"({r['sum_ms'] / r['floor_ms']:.2f}x / {r['amax_ms'] / r['floor_ms']:.2f}x floor)", flush=True)
+        for r in shape.get("quantize_sweep", []):
+            print(f"  quantize {'per_thread' if r['per_thread'] else 'per-token'} block {r['block']} warps {r['warps']}: "
+                  f"{r['ms']:.4f} ms ({r['ms'] / r['floor_ms']:.2f}x floor)", flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "prep_kernels_ab.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
