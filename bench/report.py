@@ -336,6 +336,36 @@ def _session16_q_prologue() -> list:
     return lines
 
 
+def _session17_prep() -> list:
+    """Session 17: the prep kernels' FMA quantize, element-wise reductions and tiles, side by side with 222d2f7's, and
+    end to end after them."""
+    lines = []
+    ab = _load("prep_kernels_ab_h100_s17.json")
+    if ab:
+        lines += [f"## Prep kernels, session 17 against {ab['rev']} — {ab['device']}, torch {ab['torch']}, triton "
+                  f"{ab['triton']}", "", f"`prep_kernels_ab_h100_s17.json` (`python tools/ab/prep_kernels.py --rev "
+                  f"{ab['rev']} --n 4096,16384 --d 128,64 --tables fp32`): {ab['note']} GPU ms per call (median of "
+                  "do_bench_cudagraph, best of 3), both modules in one process; equal = quantized bytes and scales bit "
+                  "for bit (the sums to fp32 rounding, K within one step where μ's order moved a rounding). Sweeps: "
+                  "`prep_kernels_ab_first_h100_s17.json`, `prep_kernels_ab_d64_sweep_h100_s17.json`, "
+                  "`prep_kernels_ab_d128_sweep_h100_s17.json`, `prep_kernels_v_sweep_h100_s17.json`; ncu of the "
+                  "kernels (call 2's code): `ncu_prep_h100_s17.txt`.", "",
+                  "| D | N | kernel | old ms | new ms | change | old / floor | new / floor | equal |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for shape in ab["shapes"]:
+            for r in shape["kernels"]:
+                lines.append(f"| {shape['d']} | {shape['n']} | {r['kernel']} | {r['old_ms']:.4f} | {r['new_ms']:.4f} | "
+                             f"{r['new_ms'] / r['old_ms'] - 1:+.1%} | {r['old_ms'] / r['floor_ms']:.2f} | "
+                             f"{r['new_ms'] / r['floor_ms']:.2f} | {r['equal']} |")
+        lines.append("")
+    for name, title in (("e2e_bench_prep_h100_s17a.json", "End to end after the session-17 prep kernels (a)"),
+                        ("e2e_bench_prep_h100_s17b.json", "End to end after the session-17 prep kernels (b, final code)")):
+        e2e = _load(name)
+        if e2e:
+            lines += _e2e_table(e2e, title) + [""]
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -426,6 +456,7 @@ def main() -> int:
     lines += _d64_four_ctas_tables()
     lines += _session15_experiments()
     lines += _session16_q_prologue()
+    lines += _session17_prep()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [

@@ -21,7 +21,7 @@ from torch.library import wrap_triton
 from ..spec import THREAD_GROUP_KEYS
 
 # Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
-# tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_h100_s17.json): ~16 elements per thread.
+# tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_*_s17.json): ~16 elements per thread.
 # Per-token quantize: 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8: 1.57-1.65×), on 4 at D=64
 # (1.21-1.33×). The head-dim choices are comparisons: under dynamic shapes D can still be a SymInt at launch.
 QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_WARPS_D64 = 32, 8, 4
@@ -34,7 +34,9 @@ THREAD_GROUP_WARPS, THREAD_GROUP_WARPS_D64 = 16, 8
 # 1.58-1.79×); δV's amax on 2 warps at D=64 (1.11×) and 4 at D=128 (1.23×; 2 warps there: 1.6×).
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
 AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
-V_BLOCK_N, V_WARPS = 64, 8  # V quantize (tools/prep_tune.py, H100 16K: 1.14× its floor)
+# V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
+# floor (the old 64 on 8 warps: 1.18-1.20×; same sweep)
+V_BLOCK_N, V_BLOCK_N_D64, V_WARPS = 32, 64, 4
 
 
 @triton.jit
@@ -268,11 +270,12 @@ def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILE
 
 
 def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, v_t: torch.Tensor,
-                      block: int = V_BLOCK_N, warps: int = V_WARPS) -> None:
+                      block: Optional[int] = None, warps: int = V_WARPS) -> None:
     """v_t [B,H,D,N_pad] e4m3 ← v [B,H,N,D] / δV, transposed, and δV [B·H, D] from the channel amax [B·H, D]
     (a second pass over v, run backwards)."""
     batch, heads, n, d = v.shape
     n_pad = v_t.shape[-1]
+    block = block or (V_BLOCK_N_D64 if d <= 64 else V_BLOCK_N)
     wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, block))](
         *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, num_warps=warps)
 

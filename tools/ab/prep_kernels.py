@@ -4,6 +4,7 @@ GPU time per call (median of do_bench_cudagraph: host launch cost out), and the 
 per-token and per_thread K) with either module behind the ops. Then a sweep of the new sum kernels' tiles.
 
     python tools/ab/prep_kernels.py [--rev HEAD] [--n 4096,16384] [--d 128,64] [--tables fp32,bf16] [--reps 3]
+        [--sweep] [--compiled]
 
 The old module is `git show REV:sage_compile/kernels/prep_triton.py`, loaded beside the installed one. Floors as in
 tools/prep_tune.py (3.0 TB/s copy rate). Writes $OUT/prep_kernels_ab.json when OUT is set; a table last.
@@ -138,10 +139,45 @@ def quantize_sweep_rows(x, tables, reps):
     floor_q = (x.numel() * 3 + batch * heads * n * 4) / BANDWIDTH * 1e3
     rows = []
     for groups, block, warps in [*((False, b, w) for b, w in itertools.product((32, 64, 128), (4, 8, 16))),
-                                 *((True, 128, w) for w in (4, 8, 16))]:
+                                 *((True, 128, w) for w in (8, 16, 32))]:
         ms = graph_ms(lambda: new.launch_rope_quantize(x, args, True, mean, x8, scales, block=block, warps=warps,
                                                        thread_groups=groups), reps)
         rows.append(dict(per_thread=groups, block=block, warps=warps, ms=ms, floor_ms=floor_q))
+    return rows
+
+
+def v_sweep_rows(v, reps):
+    """V's second pass (quantize + transposed store) by tile and warps."""
+    batch, heads, n, d = v.shape
+    amax = torch.rand(batch * heads, d, device="cuda") * 4 + 0.01
+    delta = torch.empty_like(amax)
+    v_t = torch.empty(batch, heads, d, (n + 15) // 16 * 16, dtype=torch.float8_e4m3fn, device="cuda")
+    floor_vq = v.numel() * 3 / BANDWIDTH * 1e3
+    rows = []
+    for block, warps in itertools.product((32, 64, 128), (4, 8, 16)):
+        ms = graph_ms(lambda: new.launch_v_quantize(v, amax, delta, v_t, block, warps), reps)
+        rows.append(dict(block=block, warps=warps, ms=ms, floor_ms=floor_vq))
+    return rows
+
+
+def compiled_rows(old, reps):
+    """bench.e2e_bench's prep_fused (bf16 tables, torch.compile dynamic=True: what its prep_fused_graph_ms column
+    times) compiled once with each module behind the ops, at D=64 and 128, N=4K and 16K."""
+    from bench.e2e_bench import make_inputs, prep_fused
+
+    rows = []
+    for d, heads in ((64, 32), (128, 16)):
+        for n in (4096, 16384):
+            args = make_inputs(16384 // n, n, heads, d, 0)
+            row = dict(d=d, n=n)
+            for name, module in (("old", old), ("new", new)):
+                torch._dynamo.reset()
+                fn = torch.compile(prep_fused, dynamic=True)
+                with_module(module, lambda: fn(*args))()  # compiled with this module's kernels
+                row[f"{name}_ms"] = graph_ms(lambda: fn(*args), reps)
+            rows.append(row)
+            print(f"  compiled prep_fused D={d} N={n}: old {row['old_ms']:.4f} new {row['new_ms']:.4f} ms "
+                  f"({row['new_ms'] / row['old_ms'] - 1:+.1%})", flush=True)
     return rows
 
 
@@ -152,7 +188,9 @@ def main():
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--tables", default="fp32,bf16")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sweep", action="store_true", help="also sweep the new sum kernels' block/tiles/warps")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the new kernels' tiles and warps")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also e2e_bench's compiled prep_fused (bf16 tables, dynamic shapes) with either module")
     a = ap.parse_args()
     old = load_old(a.rev)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -163,6 +201,7 @@ def main():
         if a.sweep and tdt == a.tables.split(",")[0]:
             shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
             shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
+            shape["v_sweep"] = v_sweep_rows(v, 1)
         result["shapes"].append(shape)
         print(f"N={n} D={d} tables {tdt}", flush=True)
         for r in shape["kernels"]:
@@ -174,6 +213,11 @@ def main():
         for r in shape.get("quantize_sweep", []):
             print(f"  quantize {'per_thread' if r['per_thread'] else 'per-token'} block {r['block']} warps {r['warps']}: "
                   f"{r['ms']:.4f} ms ({r['ms'] / r['floor_ms']:.2f}x floor)", flush=True)
+        for r in shape.get("v_sweep", []):
+            print(f"  v quantize block {r['block']} warps {r['warps']}: {r['ms']:.4f} ms ({r['ms'] / r['floor_ms']:.2f}x floor)",
+                  flush=True)
+    if a.compiled:
+        result["compiled"] = compiled_rows(old, a.reps)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "prep_kernels_ab.json"), "w") as f:
             json.dump(result, f, indent=1)
