@@ -2,6 +2,9 @@
 of do_bench_cudagraph, so host launch cost is out), beside the memory floor of each. For choosing BLOCK_N / TILES_PER_SPLIT / num_warps.
 
     python tools/prep_tune.py [N] [D]
+
+Its grids predate session 17's kernels (element-wise reductions, 16-token tiles): their sweeps are
+``tools/ab/prep_kernels.py --sweep``, beside the previous revision's kernels.
 """
 import itertools
 import sys
