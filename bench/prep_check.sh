@@ -18,20 +18,16 @@ if [ -n "${REV:-}" ]; then
   timeout ${AB_TIMEOUT:-300} python tools/ab/prep_kernels.py --rev "$REV" ${AB_ARGS:-} 2>&1 | tail -60
   echo "A/B: $(( $(date +%s) - t0 )) s"
 fi
-if [ -n "${NCU:-}" ]; then  # one launch of each prep kernel at 16K tokens, D=128 (fp32 tables, as e2e_bench)
+if [ -n "${NCU:-}" ]; then  # one launch of each prep kernel at 16K tokens, D=128 (the A/B tool's inputs, fp32 tables)
   timeout 200 ncu -k regex:"_rope_quantize_kernel|_rope_sum_kernel|_absmax_sum_kernel|_v_quantize_kernel" -c 4 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    --section LaunchStats python - > "$OUT/ncu_prep.txt" 2>&1 <<'PY'
+    --section LaunchStats python -c "
 import torch
+from tools.ab.prep_kernels import inputs
 from sage_compile import prep, spec
-n, d, h = 16384, 128, 16
-x = torch.randn(1, n, h, d, device="cuda").bfloat16().transpose(1, 2)
-v = torch.randn(1, n, h, d, device="cuda").bfloat16().transpose(1, 2)
-a = torch.rand(n, 1, d // 2, device="cuda") * 6.3
-cos, sin = (t.expand(1, n, h, d // 2).transpose(1, 2) for t in (a.cos(), a.sin()))
-prep.rope_prepare(x, x, v, [cos, sin, cos, sin], [cos, sin, cos, sin], d ** -0.5, spec.Quantization())
-torch.cuda.synchronize()
-PY
+x, v, tables = inputs(16384, 128, torch.float32)
+prep.rope_prepare(x, x, v, tables, tables, 128 ** -0.5, spec.Quantization()); torch.cuda.synchronize()
+" > "$OUT/ncu_prep.txt" 2>&1
   grep -E "^  [a-z_]+_kernel|Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Registers Per|Theoretical Occ|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Block Size|Grid Size" "$OUT/ncu_prep.txt" | head -80
 fi
 if [ -n "${E2E_N:-}" ]; then

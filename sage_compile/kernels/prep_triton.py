@@ -2,8 +2,8 @@
 (x₁, x₂), then either per-channel partial sums (for μK) or per-token int8 quantization.
 
 Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
-order, products as mul.rn (never contracted into an FMA), IEEE division (div.rn) for δ and x/δ, rint (round
-half to even). Launched through torch.library.wrap_triton (Inductor then launches them from its generated
+order, products as mul.rn (never contracted into an FMA), IEEE division (div.rn) for δ, and x̂ = rint(x/δ) (round
+half to even) — taken from one FMA with 1/δ wherever that provably equals the division (``_quantized_int8``). Launched through torch.library.wrap_triton (Inductor then launches them from its generated
 code). Programs are ordered heads-fastest, so the programs in flight together read whole token rows of a
 [B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
 """
@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from torch.library import wrap_triton
 
@@ -62,8 +61,8 @@ def _mul_rn(a, b):
 # (|e| ≥ 0.49998, or NaN: a subnormal δ, whose inverse overflows), and only then is the division done. |x̂| ≤ 127 with
 # no clamp: |x| ≤ amax and δ ≥ amax/127 (spec.fma_friendly rounds δ up). The same algebra as the sm90 kernel's
 # quantized_bits_fast/_exact (csrc/sm90/kernel.cuh). Per element: 6 SASS instructions instead of ~14 (division, rint,
-# clamp, convert); measured on the H100 (session 17, tools/ab/prep_kernels.py, bit-equal): the quantize kernels 5-10%
-# faster at D=128, 15-24% at D=64.
+# clamp, convert); measured on the H100 (session 17, tools/ab/prep_kernels.py, bit-equal), this alone at the old
+# 64-token tiles: the quantize kernels 5-10% faster at D=128, 15-24% at D=64.
 @triton.jit
 def _quantized_int8(x, inv, delta):
     """int8 rint(x/δ) (spec.quantize_symmetric's x̂, |x| ≤ 127·δ) from inv = 1/δ (IEEE), as described above. One PTX
@@ -119,8 +118,8 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      out_ptr, H, N, TILES_PER_SPLIT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
-    accumulator (no cross-thread step per tile, so one tile's loads overlap the last one's adds), reduced over its
-    rows once at the end (a fixed order: deterministic)."""
+    accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
+    deterministic)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H

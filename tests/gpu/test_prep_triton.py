@@ -61,7 +61,7 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
 @pytest.mark.parametrize("thread_groups", [False, True])
 def test_rope_quantize_rounds_ties_and_near_ties_like_the_division(thread_groups):
     """The quantize kernels take x̂ from one FMA with 1/δ and divide only where x·(1/δ) lies near a half-integer
-    (prep_triton._QUANTIZE_ASM). fp32 x through an identity rotary, rows by index mod 3: exact ties under δ = 1
+    (prep_triton._quantized_int8). fp32 x through an identity rotary, rows by index mod 3: exact ties under δ = 1
     (x = k + ½, amax 127); exact ties under δ = 3, whose inverse is inexact (x = 3(k + ½), amax 381: x·(1/δ) lands
     a hair off the tie); one fp32 step either side of those; and an all-zero row (subnormal δ: 1/δ overflows).
     Every byte and scale must be the reference's (IEEE division, round half to even)."""
