@@ -23,6 +23,7 @@ from sage_compile.kernels import KernelArgs, cpu
 SHAPE = (1, 8, 4096, 128)
 CONFIGS = (  # label → spec.Quantization fields
     ("pv=fp8", {}),
+    ("pv=fp8, μK over all keys", dict(k_mean_sample=0)),
     ("pv=fp8, smooth_v", dict(smooth_v=True)),
     ("pv=fp16", dict(pv="fp16")),
     ("pv=fp8, K per_thread", dict(k_granularity="per_thread")),

@@ -18,7 +18,8 @@ class SageConfig:
 
     Numerics (see sage_compile/spec.py): ``qk`` int8|int4, ``q_granularity``/``k_granularity``
     per_token|per_block (blocks of ``q_block``/``k_block`` tokens), ``smooth_k`` (on: costs nothing
-    and real models have large per-channel K bias), ``smooth_q``/``smooth_v``, ``pv`` fp8|fp16.
+    and real models have large per-channel K bias), ``smooth_q``/``smooth_v``, ``pv`` fp8|fp16,
+    ``k_mean_sample`` (μK from that many keys where there are more; 0: all keys — any μ is exact).
     Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (reported by explain and
     counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key lengths (None: the
     measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32``
@@ -37,6 +38,7 @@ class SageConfig:
     smooth_q: bool = False
     smooth_v: bool = False
     pv: str = "fp8"
+    k_mean_sample: int = 512
     fallback: str = "sdpa"
     min_seq_len: Optional[int] = None
     allow_fp32: bool = False

@@ -33,8 +33,8 @@ _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, "
     "int causal=0, bool enable_gqa=False, str qk='int8', str q_granularity='per_token', "
     "str k_granularity='per_token', int q_block=128, int k_block=64, bool smooth_k=True, bool smooth_q=False, "
-    "bool smooth_v=False, str pv='fp8', str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False, "
-    "Tensor? kv_lens=None) -> Tensor"
+    "bool smooth_v=False, str pv='fp8', int k_mean_sample=512, str fallback='sdpa', int? min_seq_len=None, "
+    "bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
 )
 
 
@@ -42,8 +42,8 @@ _LIB.define(
     "rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, Tensor? attn_mask=None, "
     "float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False, str qk='int8', "
     "str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
-    "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', str fallback='sdpa', "
-    "int? min_seq_len=None, bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
+    "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', int k_mean_sample=512, "
+    "str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
 )
 
 
@@ -63,12 +63,12 @@ def check_attention_inputs(q, k, v) -> None:
 @torch.library.impl(_LIB, "attention", "CompositeImplicitAutograd")
 def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, causal=0, enable_gqa=False,
                              qk="int8", q_granularity="per_token", k_granularity="per_token", q_block=128,
-                             k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
+                             k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8", k_mean_sample=512,
                              fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
     """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported.
     (The dispatcher passes what the caller passed, positionally or not: the defaults repeat the schema.)"""
     config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
-                     fallback, min_seq_len, allow_fp32)
+                     k_mean_sample, fallback, min_seq_len, allow_fp32)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens)
 
 
@@ -76,12 +76,13 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
 def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None, dropout_p=0.0, scale=None, causal=0,
                                   enable_gqa=False, qk="int8", q_granularity="per_token", k_granularity="per_token",
                                   q_block=128, k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
-                                  fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
+                                  k_mean_sample=512, fallback="sdpa", min_seq_len=None, allow_fp32=False,
+                                  kv_lens=None):
     """sage.attention(rope(xq), rope(xk), v) with the rotary fused into the prep (sage_compile/prep.py);
     placed by passes/absorb_rope.py. Inputs the fused prep does not take go through sage.attention's own
     path on the rotated q and k (computed in aten here; dead code, removed, when the fused prep runs)."""
     config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
-                     fallback, min_seq_len, allow_fp32)
+                     k_mean_sample, fallback, min_seq_len, allow_fp32)
     q = prep.rope_reference(xq, q_tables).to(xq.dtype)
     k = prep.rope_reference(xk, k_tables).to(xk.dtype)
     quant = config.quantization()
@@ -133,7 +134,7 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
 def _config(*fields) -> SageConfig:
     """The decomposition runs on every eager call: build (and validate) each distinct config once."""
     names = ("qk", "q_granularity", "k_granularity", "q_block", "k_block", "smooth_k", "smooth_q", "smooth_v",
-             "pv", "fallback", "min_seq_len", "allow_fp32")
+             "pv", "k_mean_sample", "fallback", "min_seq_len", "allow_fp32")
     return SageConfig(**dict(zip(names, fields)))
 
 

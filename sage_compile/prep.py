@@ -6,8 +6,9 @@ three times (docs/notes.md). When the stage-1 pass ``passes/absorb_rope.py`` fin
 half-split rotary, the site becomes ``sage.rope_attention``, whose prep is two steps with Triton
 kernels on CUDA:
 
-* ``sage::rope_mean(x, tables)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing); one
-  read of x, split over token ranges, partial sums added in a fixed order (deterministic).
+* ``sage::rope_mean(x, tables, sample)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing):
+  over spec's sample of ``sample`` keys where N is larger (``Quantization.k_mean_sample``), else one read of
+  x; split over token ranges, partial sums added in a fixed order (deterministic).
 * ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups)`` — rope(x) − μ, per-token amax (or per
   spec's per_thread K groups), int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
@@ -60,7 +61,7 @@ def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quanti
     else:
         q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
         q_rope = None
-    k_mean = rope_mean_op(xk, k_tables) if quant.smooth_k else None
+    k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
     v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
@@ -116,9 +117,9 @@ def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]
 # torch.library.triton_op — Inductor then launches them from its generated code like its own kernels
 # (a plain custom op cost ~150 µs of host time per call: it made the prep host-bound).
 # --------------------------------------------------------------------------------------------------
-def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
-    """mean over tokens of rope(x): fp32 [B,H,1,D] (spec step 1)."""
-    return spec.token_mean(rope_reference(x, tables), None)
+def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0) -> torch.Tensor:
+    """mean over tokens of rope(x) (over ``sample`` of them where there are more): fp32 [B,H,1,D] (spec step 1)."""
+    return spec.token_mean(rope_reference(x, tables), None, sample)
 
 
 def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
@@ -133,8 +134,8 @@ def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mea
     return x8, delta * out_scale
 
 
-def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.sage.rope_mean(x, list(tables)) if x.is_cuda else rope_mean_reference(x, tables)
+def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0) -> torch.Tensor:
+    return torch.ops.sage.rope_mean(x, list(tables), sample) if x.is_cuda else rope_mean_reference(x, tables, sample)
 
 
 def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False):
@@ -162,14 +163,16 @@ def _table_args(tables, half_shape) -> list:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
-    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor]) -> torch.Tensor:
-        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N."""
+    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0) -> torch.Tensor:
+        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N; with sample > 0, over the keys
+        spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x), then / min(N, sample)."""
         from .kernels import prep_triton
 
         batch, heads, n, d = x.shape
         partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
-                                                _same_halves(tables))
-        return (partial.sum(dim=1) / n).view(batch, heads, 1, d)
+                                                _same_halves(tables), sample=sample)
+        count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+        return (partial.sum(dim=1) / count).view(batch, heads, 1, d)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],

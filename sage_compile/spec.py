@@ -44,6 +44,16 @@ Q_GRANULARITIES = ("per_token", "per_block")
 # δQ·δK into the exp2 FMA once per row instead of multiplying every score by its key's δK.
 THREAD_GROUP_KEYS = 128
 THREAD_GROUPS_PER_BLOCK = 4
+# Step 1's μK from a fixed sample of keys where there are more than ``k_mean_sample``: any μ is exact after
+# dequantization (q·μ is the same for every key of a row, and softmax ignores it; the LSE shift uses the same μ), so
+# μ only centres K's quantization range, and S keys estimate the channel means to σ/√S. Sample i is key ⌊u_i·n⌋
+# with u_i = frac(i·φ⁻¹) in 15-bit fixed point: a Weyl sequence, spread evenly over positions and, for tokens of a
+# 2-D grid, over its rows and columns alike (a stride would alias with the grid's width). The prep then reads S keys
+# for μK instead of all of K a second time. Every intermediate stays below 2^31 (WEYL_STEP·MAX_K_MEAN_SAMPLE, u·2^15,
+# n): Inductor folds arange arithmetic into index expressions it may evaluate in int32.
+WEYL_BITS = 15
+WEYL_STEP = 20251  # odd, ≈ 2^15·φ⁻¹ (20251.7)
+MAX_K_MEAN_SAMPLE = 4096
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class Quantization:
     smooth_q: bool = False
     smooth_v: bool = False
     pv: str = "fp8"
+    k_mean_sample: int = 512  # μK from this many keys where there are more (0: all keys; see WEYL_STEP)
 
     def __post_init__(self):
         _check_choice("qk", self.qk, QK_LEVELS)
@@ -69,6 +80,9 @@ class Quantization:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive int")
+        if not isinstance(self.k_mean_sample, int) or not 0 <= self.k_mean_sample <= MAX_K_MEAN_SAMPLE:
+            raise ValueError(f"k_mean_sample={self.k_mean_sample!r}: expected an int in [0, {MAX_K_MEAN_SAMPLE}] "
+                             "(0: μK over all keys)")
         if self.q_granularity == "per_thread":
             raise ValueError("q_granularity='per_thread': thread groups are a K granularity (a kernel applies "
                              "δQ once per row anyway); use per_token or per_block for Q")
@@ -149,14 +163,49 @@ def quantize_pv_operand(x: torch.Tensor, pv: str) -> torch.Tensor:
     return x.to(PV_DTYPES[pv])
 
 
-def token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 mean over tokens ([B,H,N,D] → [B,H,1,D]); with kv_lens, over each batch's valid keys only."""
+def token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int = 0) -> torch.Tensor:
+    """fp32 mean over tokens ([B,H,N,D] → [B,H,1,D]); with kv_lens, over each batch's valid keys only. ``sample``
+    S > 0: over the keys ``mean_sample_positions`` picks — all of them (in order) where there are at most S."""
+    if sample:
+        return _sampled_token_mean(x, kv_lens, sample)
     x = x.float()
     if kv_lens is None:
         return x.mean(dim=-2, keepdim=True)
     valid = valid_key_mask(kv_lens, x.shape[-2]).to(x.dtype)[:, None, :, None]
     count = kv_lens.to(x.dtype).clamp_min(1)[:, None, None, None]
     return (x * valid).sum(dim=-2, keepdim=True) / count
+
+
+def mean_sample_positions(n: torch.Tensor, count: int):
+    """(int64 keys, bool taken), each [..., count], of μK's sample among n [...] ≥ 0 keys (n < 2^31): sample i
+    (1 ≤ i ≤ count ≤ MAX_K_MEAN_SAMPLE) is key ⌊u_i·n / 2^15⌋ with u_i = i·WEYL_STEP mod 2^15 where n > count,
+    computed as u_i·(n >> 15) + (u_i·(n mod 2^15) >> 15) so nothing exceeds 2^31; key i − 1 (taken if i ≤ n) where
+    n ≤ count, so a short sequence's μ is its exact mean. Integer arithmetic and no branch on n: every
+    implementation picks the same keys (the Triton prep computes it the same way), and under dynamic shapes
+    nothing is specialized on N. i starts at 1: key 0, often an attention sink with outsized K, is not given
+    weight 1/S (u_0 = 0 would pick it)."""
+    i = torch.arange(1, count + 1, device=n.device, dtype=torch.int64)
+    n = n.to(torch.int64)[..., None]
+    u = (i * WEYL_STEP) % (1 << WEYL_BITS)
+    weyl = u * (n // (1 << WEYL_BITS)) + (u * (n % (1 << WEYL_BITS))) // (1 << WEYL_BITS)
+    in_order = torch.minimum(i - 1, (n - 1).clamp_min(0))
+    return torch.where(n > count, weyl, in_order), i <= n
+
+
+def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int) -> torch.Tensor:
+    """token_mean over the sampled keys: a gather of S rows, never a pass over all of x; μ = 0 without keys."""
+    b, h, n, d = x.shape
+    if kv_lens is None:
+        lens = torch.full((1,), n, dtype=torch.int64, device=x.device)
+        pos, taken = mean_sample_positions(lens, sample)
+        rows = x.index_select(-2, pos[0]).float() * taken[0].to(torch.float32)[:, None]
+    else:
+        lens = kv_lens.to(torch.int64)
+        pos, taken = mean_sample_positions(lens, sample)  # [B, S]
+        rows = torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float()
+        rows = rows * taken.to(torch.float32)[:, None, :, None]
+    count = lens.clamp(1, sample).to(torch.float32)
+    return rows.sum(dim=-2, keepdim=True) / count.view(-1, 1, 1, 1)
 
 
 def valid_key_mask(kv_lens: torch.Tensor, n: int) -> torch.Tensor:
@@ -201,7 +250,7 @@ def prepare(
     levels = QK_LEVELS[quant.qk]
     score_scale = scale * LOG2E
 
-    k_mean = token_mean(k, kv_lens)  # step 1
+    k_mean = token_mean(k, kv_lens, quant.k_mean_sample)  # step 1
     if not quant.smooth_k:
         k_mean = torch.zeros_like(k_mean)
     k_smooth = k.float() - k_mean

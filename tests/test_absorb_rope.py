@@ -85,19 +85,20 @@ def spec_output(q32, k32, v, causal, out_dtype, quant=spec.Quantization()):
 @settings(max_examples=8, deadline=None)
 @given(hkv=st.integers(1, 2), group=st.integers(1, 2), n=st.sampled_from([1, 17, 64, 100, 130]),
        d=st.sampled_from([64, 128]), causal=st.booleans(), k_granularity=st.sampled_from(["per_token", "per_thread"]),
-       seed=st.integers(0, 2**16))
-def test_half_tables_form_is_absorbed_and_exact(hkv, group, n, d, causal, k_granularity, seed):
+       k_mean_sample=st.sampled_from([0, 16, 512]), seed=st.integers(0, 2**16))
+def test_half_tables_form_is_absorbed_and_exact(hkv, group, n, d, causal, k_granularity, k_mean_sample, seed):
     g = torch.Generator().manual_seed(seed)
     xq = torch.randn(2, n, hkv * group, d, generator=g).bfloat16()
     xk, v = (torch.randn(2, n, hkv, d, generator=g).bfloat16() for _ in range(2))
     cos, sin = (t[:, None, :] for t in tables(n, d, seed=seed))
-    out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity)
+    out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity,
+                                 k_mean_sample=k_mean_sample)
     assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["fused_rope_prep"] >= 1
     found = targets(graphs)
     assert torch.ops.sage.rope_attention.default in found and torch.cat not in found  # rotary nodes removed
     q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
     k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    quant = spec.Quantization(k_granularity=k_granularity)
+    quant = spec.Quantization(k_granularity=k_granularity, k_mean_sample=k_mean_sample)
     assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
 
 
@@ -194,6 +195,7 @@ def test_reference_steps_are_the_spec_on_the_fp32_rotary():
     r = prep.rope_reference(x, tabs)
     mean = prep.rope_mean_reference(x, tabs)
     assert torch.equal(mean, spec.token_mean(r, None))
+    assert torch.equal(prep.rope_mean_reference(x, tabs, 16), spec.token_mean(r, None, 16))  # μK from 16 keys
     x8, scale = prep.rope_quantize_reference(x, tabs, mean, 0.5)
     ref8, ref_delta = spec.quantize_symmetric(r - mean, (r - mean).abs().amax(-1), 127)
     assert torch.equal(x8, ref8) and torch.equal(scale, ref_delta * 0.5)
@@ -219,11 +221,12 @@ def test_q_rotary_routed_to_the_kernel_prologue_falls_back_exactly(causal, k_gra
     xq, xk, v = (torch.randn(2, n, 2, d, generator=g).bfloat16() for _ in range(3))
     cos, sin = (t[:, None, :] for t in tables(n, d, seed=5))
     with pytest.warns(UserWarning, match="prologue: the sm90 kernel runs on CUDA"):
-        out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity)
+        out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity,
+                                 k_mean_sample=16)
     assert counters["sage"]["q_rope_in_kernel"] == 1 and counters["sage"]["q_rope_outside_kernel"] == 1
     q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
     k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    quant = spec.Quantization(k_granularity=k_granularity)
+    quant = spec.Quantization(k_granularity=k_granularity, k_mean_sample=16)
     assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
 
 

@@ -104,7 +104,7 @@ def test_dynamic_sequence_length_does_not_recompile():
 
     def backend(gm, example_inputs):
         graphs.append(gm)  # a Dynamo restart (tensorified float scalars) may call us twice: count the last
-        return sage_backend(gm, example_inputs, options=FAST)
+        return sage_backend(gm, example_inputs, options={**FAST, "k_mean_sample": 64})  # N crosses the sample
 
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with torch.no_grad():
@@ -162,6 +162,27 @@ def test_inductor_generated_code_calls_the_quantized_op():
     assert code.count("torch.ops.sage.quantized_attention.default(") == 2
     assert "scaled_dot_product" not in code
     assert cosine(out, ref) > 0.995
+
+
+def test_sampled_k_mean_reads_only_the_sample_in_the_generated_code():
+    """μK from a sample (k_mean_sample): Inductor's generated prep gathers the S sampled keys in a loop of S
+    instead of reducing over all N keys — one of the prep's N-key loops becomes an S-key loop."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    q, k, v = (torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16) for _ in range(3))
+    loops = {}
+    for sample in (0, 48):
+        config = SageConfig(min_seq_len=0, k_mean_sample=sample)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: sage_compile.sage_attention(q, k * 2, v, config=config))
+        with torch.no_grad():
+            out, codes = run_and_get_code(compiled, q, k, v)
+        code = "\n".join(codes)
+        loops[sample] = [len(re.findall(rf"<static_cast<int64_t>\({n}L\); x\d+\+=", code)) for n in (1024, 48)]
+        assert cosine(out, F.scaled_dot_product_attention(q.float(), k.float() * 2, v.float())) > 0.995
+    assert loops[48] == [loops[0][0] - 1, 1] and loops[0][1] == 0, loops
 
 
 @pytest.mark.parametrize("expanded", [False, True])

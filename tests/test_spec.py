@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import attention_shapes, cosine, random_qkv, rel_l1
@@ -188,3 +188,67 @@ def test_kernel_lse_plus_shift_is_sdpas_logsumexp(shape, seed, causal):
     finite = torch.isfinite(exact)
     assert torch.equal(finite, torch.isfinite(got))
     assert (got[finite] - exact[finite]).abs().max() < 0.05
+
+
+@given(n=st.integers(0, 10**7), count=st.integers(1, 2048))
+def test_mean_sample_positions_are_keys_of_the_sequence(n, count):
+    """μK's sample (spec.mean_sample_positions): keys in [0, n); all n keys in order where n ≤ count; count keys,
+    distinct where n ≥ 4·count (the golden-ratio Weyl points are ≥ 0.38/count apart: the three-gap theorem)."""
+    pos, taken = spec.mean_sample_positions(torch.tensor([n]), count)
+    pos, taken = pos[0], taken[0]
+    assert pos.dtype == torch.int64 and pos.shape == taken.shape == (count,)
+    assert ((pos >= 0) & (pos < max(n, 1))).all()
+    if n <= count:
+        assert torch.equal(pos[taken], torch.arange(n)) and int(taken.sum()) == n
+    else:
+        assert taken.all()
+    if n >= 4 * count:
+        assert pos.unique().numel() == count
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 64), (32, 128), (90, 160), (45, 80)])
+def test_mean_sample_spreads_over_a_token_grid(rows, cols):
+    """DiT tokens are a row-major grid: the sample must cover rows and columns evenly (a stride would alias with
+    the width). 512 samples of rows·cols keys: every row and column within ±3 and 2× of its fair share."""
+    pos, _ = spec.mean_sample_positions(torch.tensor([rows * cols]), 512)
+    for counts, bins in ((torch.bincount(pos[0] // cols, minlength=rows), rows),
+                         (torch.bincount(pos[0] % cols, minlength=cols), cols)):
+        fair = 512 / bins
+        assert (counts - fair).abs().max() <= max(3, fair)
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), n=st.integers(1, 300), sample=st.sampled_from([1, 16, 64, 512]),
+       lens=st.booleans(), seed=st.integers(0, 2**16))
+def test_sampled_mean_is_the_mean_of_the_sampled_keys(b, n, sample, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 2, n, 8, generator=g).bfloat16()
+    kv_lens = torch.randint(0, n + 1, (b,), generator=g) if lens else None
+    mean = spec.token_mean(x, kv_lens, sample)
+    for i in range(b):
+        length = n if kv_lens is None else int(kv_lens[i])
+        pos, taken = spec.mean_sample_positions(torch.tensor([length]), sample)
+        keys = pos[0][taken[0]]
+        expected = x[i, :, keys].float().mean(dim=-2) if len(keys) else torch.zeros(2, 8)
+        torch.testing.assert_close(mean[i, :, 0], expected, rtol=1e-6, atol=1e-6)
+        if 0 < length <= sample:  # a short sequence's μ is its exact mean
+            torch.testing.assert_close(mean[i], spec.token_mean(x[i:i + 1, :, :length], None)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
+    """Any μ is exact after dequantization; the sample's only cost is a μ within σ/√S of the full one. On a key
+    bias of 40σ the two prepared keys quantize to within one step of each other, and the outputs agree."""
+    q, k, v = random_qkv(1, 4, 4, 256, 2048, 64, seed=11, k_bias=40.0)
+    full = spec.prepare(q, k, v, 0.125, spec.Quantization(k_mean_sample=0))
+    sampled = spec.prepare(q, k, v, 0.125, spec.Quantization())
+    assert spec.Quantization().k_mean_sample == 512
+    assert (full.k_scale / sampled.k_scale - 1).abs().max() < 0.1
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err_full = rel_l1(spec.reference_attention(q, k, v, quant=spec.Quantization(k_mean_sample=0)), ref)
+    err_sampled = rel_l1(spec.reference_attention(q, k, v), ref)
+    assert err_sampled < 1.05 * err_full
+
+
+def test_k_mean_sample_must_be_a_count():
+    with pytest.raises(ValueError, match="k_mean_sample"):
+        spec.Quantization(k_mean_sample=-1)

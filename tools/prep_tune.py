@@ -33,7 +33,7 @@ for block, warps in itertools.product((32, 64, 128), (2, 4, 8)):
     ms = triton.testing.do_bench_cudagraph(lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales, block=block, warps=warps),
                                            rep=100, return_mode="median")
     print(f"quantize block {block:4d} warps {warps}: {ms:.4f} ms ({ms / floor_q:.2f}x floor)")
-# per_thread K groups fix the tile at one 128-key block: warps only (prep_triton.THREAD_GROUP_WARPS)
+# per_thread K: a tile is one 32-key group (prep_triton.THREAD_GROUP_TILE): warps only
 for warps in (2, 4, 8, 16):
     ms = triton.testing.do_bench_cudagraph(
         lambda: pt.launch_rope_quantize(x, args, True, mean, x8, scales, warps=warps, thread_groups=True),

@@ -17,21 +17,25 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
-from ..spec import THREAD_GROUP_KEYS
+from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
 # Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
 # tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_*_s17.json): ~16 elements per thread.
 # Per-token quantize: 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8: 1.57-1.65×), on 4 at D=64
 # (1.21-1.33×). The head-dim choices are comparisons: under dynamic shapes D can still be a SymInt at launch.
 QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_WARPS_D64 = 32, 8, 4
-# per_thread K groups fix the quantize tile at one 128-key block: 16 warps at D=128, 8 at D=64 (session 15's sweep,
-# docs/results/prep_k_per_thread_warps_h100_s15.json; session 17's agrees).
-THREAD_GROUP_WARPS, THREAD_GROUP_WARPS_D64 = 16, 8
+# per_thread K: a tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS), on the per-token tile's
+# warps. (Sessions 15-17 tiled a whole key block, 16 warps at D=128 and 8 at D=64 — 32 elements per thread, the
+# groups' maxima reduced across warps: 1.73-1.80× its floor at D=128, docs/results/prep_kernels_ab_d128_sweep_h100_s17.json.)
+THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 # The reductions (μK's sums, δV's amax): a constant split of TILES_PER_SPLIT·SUM_BLOCK_N tokens (no guard on N), its
 # tiles accumulated element-wise. tools/ab/prep_kernels.py --sweep (H100, session 17, B·N = 16K tokens, 4K and 16K):
 # 16-token tiles × 16; sums on 2 warps 1.27-1.39× their floor (the old 128 × 2 on 4 warps, reducing every tile:
 # 1.58-1.79×); δV's amax on 2 warps at D=64 (1.11×) and 4 at D=128 (1.23×; 2 warps there: 1.6×).
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
+# μK from a sample of keys (spec.mean_sample_positions): 4 tiles a split, so 512 samples make 8 programs per head (a gather of
+# 256-byte rows; not swept)
+TILES_PER_SAMPLED_SPLIT = 4
 AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
 # V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
 # floor (the old 64 on 8 warps: 1.18-1.20×; same sweep)
@@ -115,11 +119,13 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
 def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                      c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
-                     out_ptr, H, N, TILES_PER_SPLIT,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr):
+                     out_ptr, H, N, TILES_PER_SPLIT, COUNT,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
-    deterministic)."""
+    deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
+    same integer arithmetic: sample i ≥ 1 is key u·(N >> 15) + (u·(N mod 2^15) >> 15), u = i·20251 mod 2^15, where
+    N > COUNT, else key i − 1)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -129,7 +135,12 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
-        mask = (rows < N)[:, None]
+        if SAMPLED:  # spec.mean_sample_positions: key ⌊u_i·N⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
+            mask = (rows < tl.minimum(N, COUNT))[:, None]
+            u = ((rows + 1) * 20251) % 32768  # spec.WEYL_STEP, WEYL_BITS; every value below 2^31
+            rows = tl.where(N > COUNT, u * (N // 32768) + (u * (N % 32768)) // 32768, rows)
+        else:
+            mask = (rows < N)[:, None]
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
                             SAME_HALVES)
@@ -148,12 +159,16 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr):
     """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ·OUT_SCALE
-    (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 128, one key block per tile): amax over
-    spec's per_thread groups instead — key 16G + 4t + j of the block is in group t."""
+    (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
+    groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4."""
     bh, tile = _second_pass_program()
     b = bh // H
     h = bh % H
-    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    if THREAD_GROUPS:  # 8 runs of 4 adjacent keys: each key's row is contiguous, as in the per-token tiles
+        i = tl.arange(0, BLOCK)
+        rows = (tile // 4) * 128 + 16 * (i // 4) + 4 * (tile % 4) + i % 4
+    else:
+        rows = tile * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HALF)
     row_ok = rows < N
     mask = row_ok[:, None]
@@ -165,9 +180,7 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
         r2 = tl.where(mask, r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :], 0.0)
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
     if THREAD_GROUPS:  # rows past N are zeros: they raise no group's amax
-        groups = tl.reshape(amax, (BLOCK // 16, 4, 4))  # (G, t, j)
-        group_max = tl.max(tl.max(groups, axis=2), axis=0)  # [4]: one per t
-        amax = tl.reshape(tl.broadcast_to(group_max[None, :, None], (BLOCK // 16, 4, 4)), (BLOCK,))
+        amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(amax, axis=0)
     delta = _div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full([BLOCK], 127.0, tl.float32))
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
     inv = _div_rn(tl.full([BLOCK], 1.0, tl.float32), delta)
@@ -225,31 +238,33 @@ def _x_args(x: torch.Tensor) -> list:
 
 
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: int = SUM_BLOCK_N,
-                      tiles: int = TILES_PER_SPLIT, warps: int = SUM_WARPS) -> torch.Tensor:
-    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens."""
+                      tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0) -> torch.Tensor:
+    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens — or, with sample S > 0, over its
+    share of the keys spec.mean_sample_positions(N, S) takes (TILES_PER_SAMPLED_SPLIT tiles a split unless given)."""
     batch, heads, n, d = x.shape
-    splits = triton.cdiv(n, tiles * block)
+    tiles = tiles or (TILES_PER_SAMPLED_SPLIT if sample else TILES_PER_SPLIT)
+    splits = triton.cdiv(sample or n, tiles * block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x), *table_args, partial, heads, n, tiles, HALF=d // 2, BLOCK=block,
-        SAME_HALVES=same_halves, num_warps=warps)
+        *_x_args(x), *table_args, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
+        SAME_HALVES=same_halves, SAMPLED=sample > 0, num_warps=warps)
     return partial
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
                          block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
-    groups, in tiles of one key block). block and warps: the measured defaults above by head dim, unless given."""
+    groups, a tile each; block is then ignored). block and warps: the measured defaults above by head dim, unless given."""
     batch, heads, n, d = x.shape
-    small = d <= 64
-    if thread_groups:
-        block = THREAD_GROUP_KEYS
-        warps = warps or (THREAD_GROUP_WARPS_D64 if small else THREAD_GROUP_WARPS)
+    warps = warps or (QUANTIZE_WARPS_D64 if d <= 64 else QUANTIZE_WARPS)
+    if thread_groups:  # one tile per key group
+        block = THREAD_GROUP_TILE
+        tiles = triton.cdiv(n, THREAD_GROUP_KEYS) * THREAD_GROUPS_PER_BLOCK
     else:
         block = block or QUANTIZE_BLOCK_N
-        warps = warps or (QUANTIZE_WARPS_D64 if small else QUANTIZE_WARPS)
+        tiles = triton.cdiv(n, block)
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
-    wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(n, block))](
+    wrap_triton(_rope_quantize_kernel)[(batch * heads, tiles)](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
         HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
         THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), num_warps=warps)
