@@ -171,6 +171,9 @@ def _main(argv=None):
                    env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT", "SAGE_Q_PROLOGUE")})
     sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
     for d in (int(x) for x in opts.d.split(",")):
+        # each head dim compiled as a model with that head dim would be: Dynamo's recompile of the same functions for
+        # a second head dim ran the fused prep's quantize kernels 1.5× slower (session 18, tools/ab/prep_compile_order.py)
+        torch._dynamo.reset()
         heads = SHAPES[d]
         kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), opts.pv, torch.bfloat16)
         results["sage_kernel"][f"d{d}"] = kernel  # which quantized-attention kernel these rows timed

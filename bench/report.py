@@ -366,6 +366,33 @@ def _session17_prep() -> list:
     return lines
 
 
+def _session18_prep() -> list:
+    """Session 18: μK from a 512-key sample and per_thread K one key group per tile, against 035540d; end to end."""
+    lines = []
+    ab = _load("prep_kernels_ab_h100_s18.json")
+    if ab:
+        lines += [f"## Prep kernels, session 18 against {ab['rev']} — {ab['device']}, torch {ab['torch']}, triton "
+                  f"{ab['triton']}", "", f"`prep_kernels_ab_h100_s18.json` (`python tools/ab/prep_kernels.py --rev "
+                  f"{ab['rev']} --n 4096,16384 --d 128,64 --tables bf16`): {ab['note']} GPU ms per call (median of "
+                  "do_bench_cudagraph, best of 3). The sampled sums' floor is the read of the 512 sampled keys. Device "
+                  "calls: `gpu_runs_h100_s18.md`.", "",
+                  "| D | N | kernel | old ms | new ms | change | old / floor | new / floor | equal |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for shape in ab["shapes"]:
+            for r in shape["kernels"]:
+                lines.append(f"| {shape['d']} | {shape['n']} | {r['kernel']} | {r['old_ms']:.4f} | {r['new_ms']:.4f} | "
+                             f"{r['new_ms'] / r['old_ms'] - 1:+.1%} | {r['old_ms'] / r['floor_ms']:.2f} | "
+                             f"{r['new_ms'] / r['floor_ms']:.2f} | {r['equal']} |")
+        lines.append("")
+    for name, title in (("e2e_bench_prep_h100_s18a.json", "End to end after session 18's prep (a, D=128)"),
+                        ("e2e_bench_prep_h100_s18b.json", "End to end after session 18's prep (b, D=128 then D=64 in one "
+                         "process: the D=64 fused-prep column is Dynamo's recompile, see gpu_runs_h100_s18.md)")):
+        e2e = _load(name)
+        if e2e:
+            lines += _e2e_table(e2e, title) + [""]
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -457,6 +484,7 @@ def main() -> int:
     lines += _session15_experiments()
     lines += _session16_q_prologue()
     lines += _session17_prep()
+    lines += _session18_prep()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
