@@ -525,7 +525,7 @@ def main() -> int:
                   f"| bf16 SDPA | {c['bf16_sdpa']['min']:.5f} | {c['bf16_sdpa']['mean']:.5f} |",
                   f"| fp32 from the fp16-packed weights | {c['fp32_from_fp16_weights']['min']:.6f} | "
                   f"{c['fp32_from_fp16_weights']['mean']:.6f} |", ""]
-    for name in ("models_h100.json", "models_h200.json", "models_h200_s11.json"):
+    for name in ("models_h100.json", "models_h200.json", "models_h200_s11.json", "models_h100_s18.json"):
         models = _load(name)
         if models:
             lines += _models_table(models) + [""]
