@@ -237,7 +237,8 @@ def test_sampled_mean_is_the_mean_of_the_sampled_keys(b, n, sample, lens, seed):
 
 def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
     """Any μ is exact after dequantization; the sample's only cost is a μ within σ/√S of the full one. On a key
-    bias of 40σ the two prepared keys quantize to within one step of each other, and the outputs agree."""
+    bias of 40σ the two δK agree within 10%, and the sampled output's error against fp32 is within 5% of the full
+    mean's."""
     q, k, v = random_qkv(1, 4, 4, 256, 2048, 64, seed=11, k_bias=40.0)
     full = spec.prepare(q, k, v, 0.125, spec.Quantization(k_mean_sample=0))
     sampled = spec.prepare(q, k, v, 0.125, spec.Quantization())

@@ -135,7 +135,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
-        if SAMPLED:  # spec.mean_sample_positions: key ⌊u_i·N⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
+        if SAMPLED:  # spec.mean_sample_positions: key ⌊u·N / 2^15⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
             mask = (rows < tl.minimum(N, COUNT))[:, None]
             u = ((rows + 1) * 20251) % 32768  # spec.WEYL_STEP, WEYL_BITS; every value below 2^31
             rows = tl.where(N > COUNT, u * (N // 32768) + (u * (N % 32768)) // 32768, rows)
