@@ -148,6 +148,22 @@ def sweep_rows(x, v, tables, reps):
     return rows
 
 
+def sampled_sum_sweep_rows(x, tables, reps):
+    """μK's sampled sums (spec default sample) by tile, tiles a split and warps, with the reduction of the split
+    partials that rope_mean adds (sum over splits, / count) timed alongside: fewer tiles a split = more programs and
+    a shorter serial chain of gathers, but more partials to add."""
+    batch, heads, n, d = x.shape
+    args = prep._table_args(tables, (batch, heads, n, d // 2))
+    sample = spec.Quantization().k_mean_sample
+    rows = []
+    for block, tiles, warps in itertools.product((16, 32), (1, 2, 4, 8), (2, 4)):
+        ms = graph_ms(lambda: new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample), reps)
+        ms_mean = graph_ms(lambda: new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample).sum(dim=1)
+                           / min(n, sample), reps)
+        rows.append(dict(block=block, tiles=tiles, warps=warps, sum_ms=ms, mean_ms=ms_mean))
+    return rows
+
+
 def quantize_sweep_rows(x, tables, reps):
     """The new quantize kernel's tile and warps: per-token K (with μ) by block × warps, per_thread K by warps."""
     batch, heads, n, d = x.shape
@@ -220,6 +236,7 @@ def main():
         shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=kernel_rows(old, x, v, tables, a.reps))
         if a.sweep and tdt == a.tables.split(",")[0]:
             shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
+            shape["sampled_sum_sweep"] = sampled_sum_sweep_rows(x, tables, 1)
             shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
             shape["v_sweep"] = v_sweep_rows(v, 1)
         result["shapes"].append(shape)
@@ -227,6 +244,9 @@ def main():
         for r in shape["kernels"]:
             print(f"  {r['kernel']:30s} old {r['old_ms']:.4f} new {r['new_ms']:.4f} ms ({r['new_ms'] / r['old_ms'] - 1:+.1%}; "
                   f"{r['old_ms'] / r['floor_ms']:.2f}x -> {r['new_ms'] / r['floor_ms']:.2f}x floor) equal {r['equal']}", flush=True)
+        for r in sorted(shape.get("sampled_sum_sweep", []), key=lambda r: r["mean_ms"])[:4]:
+            print(f"  sampled sums block {r['block']} tiles {r['tiles']} warps {r['warps']}: {r['sum_ms']:.4f} ms, "
+                  f"with the partials' reduction {r['mean_ms']:.4f} ms", flush=True)
         for r in sorted(shape.get("sum_sweep", []), key=lambda r: r["sum_ms"] + r["amax_ms"])[:6]:
             print(f"  sweep block {r['block']} tiles {r['tiles']} warps {r['warps']}: sum {r['sum_ms']:.4f} amax {r['amax_ms']:.4f} "
                   f"({r['sum_ms'] / r['floor_ms']:.2f}x / {r['amax_ms'] / r['floor_ms']:.2f}x floor)", flush=True)
