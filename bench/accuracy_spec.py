@@ -8,11 +8,15 @@ the FP8 MMA rate — P̂ = u8(255·exp2(S − m_block)) per row and 64-key block
 products — and, for the outlier mix's error, V's quantization alone with exact P.
 
     python -m bench.accuracy_spec   → docs/results/accuracy_spec_cpu.json (+ a table)
+    python -m bench.accuracy_spec --k-mean-sample   → docs/results/accuracy_k_mean_sample_cpu.json: μK from
+        S = 0 (all keys), 64, 256, 512, 1024 keys, per-token and per_thread K, on the three distributions and on the
+        channel-bias mix with RoPE applied to q and k (a position-dependent K bias)
 """
 import json
 import math
 import os
 import platform
+import sys
 
 import torch
 
@@ -72,7 +76,50 @@ def v_alone_study(q, k, v):
     }
 
 
+def _run_spec(q, k, v, quant):
+    """The exact C++ reference kernel on spec.prepare's output (bf16 out)."""
+    p = spec.prepare(q, k, v, SHAPE[-1] ** -0.5, quant)
+    args = KernelArgs.from_prepared(p, None, 0, SHAPE[-1], torch.bfloat16)
+    out, lse = torch.empty(SHAPE, dtype=torch.bfloat16), torch.empty(SHAPE[:3])
+    cpu.run(args, out, lse)
+    return out
+
+
+def _write(rows, name, **fields):
+    result = dict(device=f"CPU ({platform.processor() or platform.machine()})", torch=torch.__version__,
+                  shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
+                  output_dtype="bfloat16", rows=rows, **fields)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results", name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+def k_mean_sample_sweep():
+    from bench.e2e_bench import rope_tables
+    from sage_compile import prep
+
+    cos, sin = rope_tables(SHAPE[2], SHAPE[3], "cpu")
+    rows = []
+    for name in (*DISTRIBUTIONS, "channel_bias+rope"):
+        g = torch.Generator().manual_seed(1234)
+        q, k, v = anchor_qkv(name.split("+")[0], SHAPE, g, "cpu")
+        if name.endswith("+rope"):
+            q, k = (prep.rope_reference(t, [cos, sin, cos, sin]) for t in (q, k))
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        for granularity in ("per_token", "per_thread"):
+            for sample in (0, 64, 256, 512, 1024):
+                out = _run_spec(q, k, v, spec.Quantization(k_granularity=granularity, k_mean_sample=sample))
+                rows.append(dict(dist=name, k_granularity=granularity, k_mean_sample=sample, **accuracy_metrics(out, ref)))
+                r = rows[-1]
+                print(f"{name:18s} {granularity:10s} S={sample:5d} cos {r['cos']:.6f} relL1 {r['rel_l1']:.5f}", flush=True)
+    print("→", _write(rows, "accuracy_k_mean_sample_cpu.json"))
+
+
 def main():
+    if "--k-mean-sample" in sys.argv[1:]:
+        return k_mean_sample_sweep()
     rows = []
     for name in DISTRIBUTIONS:
         g = torch.Generator().manual_seed(1234)
@@ -81,22 +128,13 @@ def main():
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         rows.append(dict(dist=name, config="sdpa_bf16", **accuracy_metrics(bf16, ref)))
         for label, fields in CONFIGS:
-            p = spec.prepare(q, k, v, SHAPE[-1] ** -0.5, spec.Quantization(**fields))
-            args = KernelArgs.from_prepared(p, None, 0, SHAPE[-1], torch.bfloat16)
-            out, lse = torch.empty(SHAPE, dtype=torch.bfloat16), torch.empty(SHAPE[:3])
-            cpu.run(args, out, lse)
-            rows.append(dict(dist=name, config=label, **accuracy_metrics(out, ref)))
+            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, spec.Quantization(**fields)),
+                                                                         ref)))
         rows.append(dict(dist=name, config="study: pv=int8 (u8 P per block row max, s8 V per channel)",
                          **accuracy_metrics(int8_pv_study(q, k, v), ref)))
         for label, out in v_alone_study(q, k, v).items():
             rows.append(dict(dist=name, config=label, **accuracy_metrics(out.to(torch.bfloat16), ref)))
-    result = dict(device=f"CPU ({platform.processor() or platform.machine()})", torch=torch.__version__,
-                  shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
-                  output_dtype="bfloat16", bar=dict(cos=0.9995, rel_l1=0.03), rows=rows)
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results",
-                        "accuracy_spec_cpu.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = _write(rows, "accuracy_spec_cpu.json", bar=dict(cos=0.9995, rel_l1=0.03))
     for r in rows:
         print(f"{r['dist']:13s} {r['config']:58s} cos {r['cos']:.6f} relL1 {r['rel_l1']:.4f} rmse {r['rmse']:.2e}")
     print("→", path)

@@ -56,6 +56,17 @@ def ints(text: str) -> list:
     return [int(x) for x in text.split(",")]
 
 
+def shape_points(opts):
+    """(d, heads, causal, n, batch, ops) over add_shape_args' head dims, causal flags and lengths: B·N = TOKENS tokens,
+    ops = one attention's multiply-adds ×2 (halved for causal). The loop tools/sm90_variants.py and
+    tools/q_prologue_ab.py share."""
+    for d in ints(opts.d):
+        for causal in ints(opts.causal):
+            for n in ints(opts.n):
+                batch, heads = max(1, TOKENS // n), SHAPES[d]
+                yield d, heads, causal, n, batch, 4 * batch * heads * n * n * d / (2 if causal else 1)
+
+
 def _bench_ms(fn):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

@@ -336,20 +336,17 @@ def _session16_q_prologue() -> list:
     return lines
 
 
-def _session17_prep() -> list:
-    """Session 17: the prep kernels' FMA quantize, element-wise reductions and tiles, side by side with 222d2f7's, and
-    end to end after them."""
+def _prep_ab_section(session: int, tables: str, text: str, e2e_runs) -> list:
+    """A session's prep-kernel A/B (tools/ab/prep_kernels.py, docs/results/prep_kernels_ab_h100_s<session>.json) as a
+    table, then its end-to-end runs ((file, title) pairs)."""
     lines = []
-    ab = _load("prep_kernels_ab_h100_s17.json")
+    name = f"prep_kernels_ab_h100_s{session}.json"
+    ab = _load(name)
     if ab:
-        lines += [f"## Prep kernels, session 17 against {ab['rev']} — {ab['device']}, torch {ab['torch']}, triton "
-                  f"{ab['triton']}", "", f"`prep_kernels_ab_h100_s17.json` (`python tools/ab/prep_kernels.py --rev "
-                  f"{ab['rev']} --n 4096,16384 --d 128,64 --tables fp32`): {ab['note']} GPU ms per call (median of "
-                  "do_bench_cudagraph, best of 3), both modules in one process; equal = quantized bytes and scales bit "
-                  "for bit (the sums to fp32 rounding, K within one step where μ's order moved a rounding). Sweeps: "
-                  "`prep_kernels_ab_first_h100_s17.json`, `prep_kernels_ab_d64_sweep_h100_s17.json`, "
-                  "`prep_kernels_ab_d128_sweep_h100_s17.json`, `prep_kernels_v_sweep_h100_s17.json`; ncu of the "
-                  "kernels (call 2's code): `ncu_prep_h100_s17.txt`.", "",
+        lines += [f"## Prep kernels, session {session} against {ab['rev']} — {ab['device']}, torch {ab['torch']}, "
+                  f"triton {ab['triton']}", "", f"`{name}` (`python tools/ab/prep_kernels.py --rev {ab['rev']} "
+                  f"--n 4096,16384 --d 128,64 --tables {tables}`): {ab['note']} GPU ms per call (median of "
+                  f"do_bench_cudagraph, best of 3), both modules in one process. {text}", "",
                   "| D | N | kernel | old ms | new ms | change | old / floor | new / floor | equal |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for shape in ab["shapes"]:
@@ -358,39 +355,32 @@ def _session17_prep() -> list:
                              f"{r['new_ms'] / r['old_ms'] - 1:+.1%} | {r['old_ms'] / r['floor_ms']:.2f} | "
                              f"{r['new_ms'] / r['floor_ms']:.2f} | {r['equal']} |")
         lines.append("")
-    for name, title in (("e2e_bench_prep_h100_s17a.json", "End to end after the session-17 prep kernels (a)"),
-                        ("e2e_bench_prep_h100_s17b.json", "End to end after the session-17 prep kernels (b, final code)")):
-        e2e = _load(name)
+    for file, title in e2e_runs:
+        e2e = _load(file)
         if e2e:
             lines += _e2e_table(e2e, title) + [""]
     return lines
+
+
+def _session17_prep() -> list:
+    """Session 17: the prep kernels' FMA quantize, element-wise reductions and tiles, side by side with 222d2f7's, and
+    end to end after them."""
+    return _prep_ab_section(
+        17, "fp32", "Equal = quantized bytes and scales bit for bit (the sums to fp32 rounding, K within one step where "
+        "μ's order moved a rounding). Sweeps: `prep_kernels_ab_first_h100_s17.json`, "
+        "`prep_kernels_ab_d64_sweep_h100_s17.json`, `prep_kernels_ab_d128_sweep_h100_s17.json`, "
+        "`prep_kernels_v_sweep_h100_s17.json`; ncu of the kernels (call 2's code): `ncu_prep_h100_s17.txt`.",
+        (("e2e_bench_prep_h100_s17a.json", "End to end after the session-17 prep kernels (a)"),
+         ("e2e_bench_prep_h100_s17b.json", "End to end after the session-17 prep kernels (b, final code)")))
 
 
 def _session18_prep() -> list:
     """Session 18: μK from a 512-key sample and per_thread K one key group per tile, against 035540d; end to end."""
-    lines = []
-    ab = _load("prep_kernels_ab_h100_s18.json")
-    if ab:
-        lines += [f"## Prep kernels, session 18 against {ab['rev']} — {ab['device']}, torch {ab['torch']}, triton "
-                  f"{ab['triton']}", "", f"`prep_kernels_ab_h100_s18.json` (`python tools/ab/prep_kernels.py --rev "
-                  f"{ab['rev']} --n 4096,16384 --d 128,64 --tables bf16`): {ab['note']} GPU ms per call (median of "
-                  "do_bench_cudagraph, best of 3). The sampled sums' floor is the read of the 512 sampled keys. Device "
-                  "calls: `gpu_runs_h100_s18.md`.", "",
-                  "| D | N | kernel | old ms | new ms | change | old / floor | new / floor | equal |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for shape in ab["shapes"]:
-            for r in shape["kernels"]:
-                lines.append(f"| {shape['d']} | {shape['n']} | {r['kernel']} | {r['old_ms']:.4f} | {r['new_ms']:.4f} | "
-                             f"{r['new_ms'] / r['old_ms'] - 1:+.1%} | {r['old_ms'] / r['floor_ms']:.2f} | "
-                             f"{r['new_ms'] / r['floor_ms']:.2f} | {r['equal']} |")
-        lines.append("")
-    for name, title in (("e2e_bench_prep_h100_s18a.json", "End to end after session 18's prep (a, D=128)"),
-                        ("e2e_bench_prep_h100_s18b.json", "End to end after session 18's prep (b, D=128 then D=64 in one "
-                         "process: the D=64 fused-prep column is Dynamo's recompile, see gpu_runs_h100_s18.md)")):
-        e2e = _load(name)
-        if e2e:
-            lines += _e2e_table(e2e, title) + [""]
-    return lines
+    return _prep_ab_section(
+        18, "bf16", "The sampled sums' floor is the read of the 512 sampled keys. Device calls: `gpu_runs_h100_s18.md`.",
+        (("e2e_bench_prep_h100_s18a.json", "End to end after session 18's prep (a, D=128)"),
+         ("e2e_bench_prep_h100_s18b.json", "End to end after session 18's prep (b, D=128 then D=64 in one process: the "
+          "D=64 fused-prep column is Dynamo's recompile, see gpu_runs_h100_s18.md)")))
 
 
 def _plot(kernel, e2e, path) -> bool:

@@ -29,22 +29,17 @@ from .support import AttentionCall, sdpa_is_faster, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
-_LIB.define(
-    "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, "
-    "int causal=0, bool enable_gqa=False, str qk='int8', str q_granularity='per_token', "
-    "str k_granularity='per_token', int q_block=128, int k_block=64, bool smooth_k=True, bool smooth_q=False, "
-    "bool smooth_v=False, str pv='fp8', int k_mean_sample=512, str fallback='sdpa', int? min_seq_len=None, "
-    "bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
-)
-
-
-_LIB.define(
-    "rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, Tensor? attn_mask=None, "
-    "float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False, str qk='int8', "
-    "str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
+# SageConfig's op fields (config.op_kwargs), in its field order: both attention ops take them after SDPA's arguments
+_CONFIG_ARGS = (
+    "str qk='int8', str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
     "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', int k_mean_sample=512, "
-    "str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False, Tensor? kv_lens=None) -> Tensor"
+    "str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False"
 )
+_SDPA_ARGS = "Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False"
+
+_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, {_CONFIG_ARGS}, Tensor? kv_lens=None) -> Tensor")
+_LIB.define(f"rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, {_SDPA_ARGS}, "
+            f"{_CONFIG_ARGS}, Tensor? kv_lens=None) -> Tensor")
 
 
 def check_attention_inputs(q, k, v) -> None:
@@ -130,12 +125,13 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     return out
 
 
+_CONFIG_FIELDS = tuple(SageConfig().op_kwargs())  # the names of _CONFIG_ARGS, in order
+
+
 @functools.lru_cache(maxsize=64)
 def _config(*fields) -> SageConfig:
     """The decomposition runs on every eager call: build (and validate) each distinct config once."""
-    names = ("qk", "q_granularity", "k_granularity", "q_block", "k_block", "smooth_k", "smooth_q", "smooth_v",
-             "pv", "k_mean_sample", "fallback", "min_seq_len", "allow_fp32")
-    return SageConfig(**dict(zip(names, fields)))
+    return SageConfig(**dict(zip(_CONFIG_FIELDS, fields)))
 
 
 def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from helpers import attention_shapes, random_qkv
 import sage_compile
 import sage_compile.ops  # noqa: F401  (registers torch.ops.sage)
-from sage_compile import spec
+from sage_compile import SageConfig, spec
 
 
 def _prepared_args(q, k, v, quant, kv_lens=None, causal=0):
@@ -151,3 +151,15 @@ def test_fallback_keeps_kv_lens_and_bottom_right_causal(causal):
     if allowed is not None:
         keep = keep & allowed
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_attention_schemas_carry_every_config_field_with_its_default():
+    """sage.attention and sage.rope_attention take SageConfig's op fields (config.op_kwargs) in order, with the same
+    defaults: a field added to SageConfig but not to the schemas (or the other way round) fails here."""
+    fields = SageConfig().op_kwargs()
+    for op in (torch.ops.sage.attention.default, torch.ops.sage.rope_attention.default):
+        args = {a.name: a.default_value for a in op._schema.arguments}
+        names = list(args)
+        start = names.index("enable_gqa") + 1
+        assert names[start:start + len(fields)] == list(fields), op
+        assert all(args[name] == value for name, value in fields.items()), op

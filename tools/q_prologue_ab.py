@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.e2e_bench import rope_tables  # noqa: E402
-from bench.kernel_bench import SHAPES, TOKENS, _graph_ms, _outputs, add_shape_args, ints  # noqa: E402
+from bench.kernel_bench import _graph_ms, _outputs, add_shape_args, shape_points  # noqa: E402
 
 
 def _inputs(batch, heads, n, d, seed):
@@ -44,44 +44,39 @@ def main(argv=None):
     from sage_compile.kernels import KernelArgs, sm90
 
     rows = []
-    for d in ints(opts.d):
-        heads = SHAPES[d]
-        for causal in ints(opts.causal):
-            for n in ints(opts.n):
-                batch = max(1, TOKENS // n)
-                ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
-                xq, k, v, tables = _inputs(batch, heads, n, d, seed=n + d)
-                out_scale = d ** -0.5 * spec.LOG2E
-                for k_gran in opts.k.split(","):
-                    quant = spec.Quantization(k_granularity=k_gran)
-                    q_ref = prep.rope_reference(xq, tables).to(torch.bfloat16)  # only k/v's prep is used from here
-                    p = spec.prepare(q_ref, k, v, d ** -0.5, quant)
-                    q8, q_scale = prep.rope_quantize_op(xq, tables, None, out_scale)
-                    prepared = KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
-                    prepared.q, prepared.q_scale = q8, q_scale
-                    raw = KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
-                    raw.q, raw.q_scale = xq, None
-                    out_a, lse_a = _outputs(batch, heads, n, d)
-                    out_b, lse_b = _outputs(batch, heads, n, d)
-                    sm90.run(prepared, out_a, lse_a)
-                    sm90.run_rope_q(raw, tables, out_scale, out_b, lse_b)
-                    torch.cuda.synchronize()
-                    equal = torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
-                    best = {}
-                    for _ in range(opts.reps):
-                        for name, fn in (
-                                ("q_prep", lambda: prep.rope_quantize_op(xq, tables, None, out_scale)),
-                                ("kernel", lambda: sm90.run(prepared, out_a, lse_a)),
-                                ("prologue", lambda: sm90.run_rope_q(raw, tables, out_scale, out_b, lse_b))):
-                            t = _graph_ms(fn)
-                            best[name] = min(best.get(name, t), t)
-                    row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads, k=k_gran, equal=equal,
-                               **{f"{name}_ms": t for name, t in best.items()})
-                    row["kernel_tops"] = ops / best["kernel"] / 1e9
-                    row["prologue_tops"] = ops / best["prologue"] / 1e9
-                    row["saved_ms"] = best["q_prep"] + best["kernel"] - best["prologue"]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    for d, heads, causal, n, batch, ops in shape_points(opts):
+        xq, k, v, tables = _inputs(batch, heads, n, d, seed=n + d)
+        out_scale = d ** -0.5 * spec.LOG2E
+        for k_gran in opts.k.split(","):
+            quant = spec.Quantization(k_granularity=k_gran)
+            q_ref = prep.rope_reference(xq, tables).to(torch.bfloat16)  # only k/v's prep is used from here
+            p = spec.prepare(q_ref, k, v, d ** -0.5, quant)
+            q8, q_scale = prep.rope_quantize_op(xq, tables, None, out_scale)
+            prepared = KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
+            prepared.q, prepared.q_scale = q8, q_scale
+            raw = KernelArgs.from_prepared(p, None, causal, d, torch.bfloat16)
+            raw.q, raw.q_scale = xq, None
+            out_a, lse_a = _outputs(batch, heads, n, d)
+            out_b, lse_b = _outputs(batch, heads, n, d)
+            sm90.run(prepared, out_a, lse_a)
+            sm90.run_rope_q(raw, tables, out_scale, out_b, lse_b)
+            torch.cuda.synchronize()
+            equal = torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+            best = {}
+            for _ in range(opts.reps):
+                for name, fn in (
+                        ("q_prep", lambda: prep.rope_quantize_op(xq, tables, None, out_scale)),
+                        ("kernel", lambda: sm90.run(prepared, out_a, lse_a)),
+                        ("prologue", lambda: sm90.run_rope_q(raw, tables, out_scale, out_b, lse_b))):
+                    t = _graph_ms(fn)
+                    best[name] = min(best.get(name, t), t)
+            row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads, k=k_gran, equal=equal,
+                       **{f"{name}_ms": t for name, t in best.items()})
+            row["kernel_tops"] = ops / best["kernel"] / 1e9
+            row["prologue_tops"] = ops / best["prologue"] / 1e9
+            row["saved_ms"] = best["q_prep"] + best["kernel"] - best["prologue"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "q_prologue_ab.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

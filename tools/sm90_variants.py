@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.kernel_bench import (N_SETS, SHAPES, TOKENS, _bench_ms, _make_inputs, _outputs, _rotating,  # noqa: E402
-                                add_shape_args, ints)
+from bench.kernel_bench import (N_SETS, _bench_ms, _make_inputs, _outputs, _rotating, add_shape_args,  # noqa: E402
+                                ints, shape_points)
 
 
 def main(argv=None):
@@ -36,39 +36,34 @@ def main(argv=None):
 
     variants = ints(opts.variants)
     rows = []
-    for d in ints(opts.d):
-        heads = SHAPES[d]
-        for causal in ints(opts.causal):
-            for n in ints(opts.n):
-                batch = max(1, TOKENS // n)
-                ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
-                sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    cudnn = _bench_ms(_rotating([lambda s=s: F.scaled_dot_product_attention(*s, is_causal=bool(causal))
-                                                 for s in sets]))
-                for k_gran in opts.k.split(","):
-                    quant = spec.Quantization(k_granularity=k_gran)
-                    kargs = [KernelArgs.from_prepared(spec.prepare(*s, d ** -0.5, quant), None, causal, d,
-                                                      torch.bfloat16) for s in sets]
-                    out, lse = _outputs(batch, heads, n, d)
-                    results = {v: [] for v in variants}
-                    for _ in range(opts.reps):
-                        for v in variants:
-                            t = _bench_ms(_rotating([lambda a=a, v=v: sm90.run(a, out, lse, v) for a in kargs]))
-                            results[v].append(ops / t / 1e9)
-                    firsts = []
-                    for v in variants:
-                        sm90.run(kargs[0], out, lse, v)
-                        firsts.append(out.clone())
-                    row = dict(d=d, causal=causal, n=n, k=k_gran, cudnn_tops=ops / cudnn / 1e9,
-                               tops={str(v): max(results[v]) for v in variants}, runs={str(v): results[v] for v in variants},
-                               bit_equal=all(torch.equal(firsts[0], f) for f in firsts[1:]))
-                    rows.append(row)
-                    print(f"D{d} causal{causal} {k_gran:>10} N{n:>6}: " + "  ".join(
-                        f"v{v} {row['tops'][str(v)]:5.0f}" for v in variants)
-                        + f"  cudnn {row['cudnn_tops']:5.0f}  equal {row['bit_equal']}", flush=True)
-                del sets
-                torch.cuda.empty_cache()
+    for d, heads, causal, n, batch, ops in shape_points(opts):
+        sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = _bench_ms(_rotating([lambda s=s: F.scaled_dot_product_attention(*s, is_causal=bool(causal))
+                                         for s in sets]))
+        for k_gran in opts.k.split(","):
+            quant = spec.Quantization(k_granularity=k_gran)
+            kargs = [KernelArgs.from_prepared(spec.prepare(*s, d ** -0.5, quant), None, causal, d,
+                                              torch.bfloat16) for s in sets]
+            out, lse = _outputs(batch, heads, n, d)
+            results = {v: [] for v in variants}
+            for _ in range(opts.reps):
+                for v in variants:
+                    t = _bench_ms(_rotating([lambda a=a, v=v: sm90.run(a, out, lse, v) for a in kargs]))
+                    results[v].append(ops / t / 1e9)
+            firsts = []
+            for v in variants:
+                sm90.run(kargs[0], out, lse, v)
+                firsts.append(out.clone())
+            row = dict(d=d, causal=causal, n=n, k=k_gran, cudnn_tops=ops / cudnn / 1e9,
+                       tops={str(v): max(results[v]) for v in variants}, runs={str(v): results[v] for v in variants},
+                       bit_equal=all(torch.equal(firsts[0], f) for f in firsts[1:]))
+            rows.append(row)
+            print(f"D{d} causal{causal} {k_gran:>10} N{n:>6}: " + "  ".join(
+                f"v{v} {row['tops'][str(v)]:5.0f}" for v in variants)
+                + f"  cudnn {row['cudnn_tops']:5.0f}  equal {row['bit_equal']}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, variants=variants,
                   kernel_info={f"{d}/v{v}/{k}": sm90.kernel_info(d, v, k == "per_thread")
                                for d in ints(opts.d) for v in variants for k in opts.k.split(",")
