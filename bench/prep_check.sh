@@ -2,6 +2,7 @@
 # One device call for the fused rope prep's Triton kernels: build, their GPU tests, the side-by-side A/B against
 # another revision (tools/ab/prep_kernels.py), optionally an ncu summary of each prep kernel and the end-to-end bench.
 #   REV=<git rev> [AB_ARGS="--n 4096,16384 --d 128"] [NCU=1] [E2E_N=4096,16384] bash bench/prep_check.sh
+# TEST_ARGS is evaluated, so quoted pytest arguments survive: TEST_ARGS="-k 'mean or compiled'"
 # SAGE_CUDA_ARCHS=none skips the sm90 build (the prep kernels are Triton; attention then runs on Triton too).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -10,7 +11,7 @@ MAX_JOBS=16 python -m pip install --no-build-isolation --no-deps -v -e . > "$OUT
 rm -f "$OUT/install.log"
 echo "build+install: $(( $(date +%s) - t0 )) s"
 if [ "${TESTS:-1}" = 1 ]; then  # TESTS=0 skips them
-  timeout ${TEST_TIMEOUT:-240} python -m pytest tests/gpu/test_prep_triton.py -q -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
+  eval timeout ${TEST_TIMEOUT:-240} python -m pytest tests/gpu/test_prep_triton.py -q -p no:cacheprovider "${TEST_ARGS:-}" 2>&1 \
     | tee "$OUT/prep_tests.log" | grep -E "passed|failed|Error|error|assert" | tail -15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi

@@ -33,9 +33,11 @@ THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 # 16-token tiles × 16; sums on 2 warps 1.27-1.39× their floor (the old 128 × 2 on 4 warps, reducing every tile:
 # 1.58-1.79×); δV's amax on 2 warps at D=64 (1.11×) and 4 at D=128 (1.23×; 2 warps there: 1.6×).
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
-# μK from a sample of keys (spec.mean_sample_positions): 4 tiles a split, so 512 samples make 8 programs per head (a gather of
-# 256-byte rows; not swept)
-TILES_PER_SAMPLED_SPLIT = 4
+# μK from a sample of keys (spec.mean_sample_positions): 32-key tiles, 2 a split, so 512 samples make 8 programs per head,
+# each gathering 256-byte rows. Swept with K cold in L2, as in the prep (tools/ab/prep_kernels.py --cold-sweep, H100,
+# session 19, the sums and their reduction): at D=128 11.3 / 8.8 µs at 4K / 16K tokens a head against 12.6 / 11.0 for the
+# session-18 choice (16-key tiles, 4 a split), at D=64 level (11.4 / 8.9 against 11.3 / 8.7)
+SAMPLED_SUM_BLOCK_N, TILES_PER_SAMPLED_SPLIT = 32, 2
 AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
 # V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
 # floor (the old 64 on 8 warps: 1.18-1.20×; same sweep)
@@ -237,11 +239,12 @@ def _x_args(x: torch.Tensor) -> list:
     return [x, *x.stride()]
 
 
-def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: int = SUM_BLOCK_N,
+def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: Optional[int] = None,
                       tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0) -> torch.Tensor:
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens — or, with sample S > 0, over its
-    share of the keys spec.mean_sample_positions(N, S) takes (TILES_PER_SAMPLED_SPLIT tiles a split unless given)."""
+    share of the keys spec.mean_sample_positions(N, S) takes (tiles and block: the measured defaults above unless given)."""
     batch, heads, n, d = x.shape
+    block = block or (SAMPLED_SUM_BLOCK_N if sample else SUM_BLOCK_N)
     tiles = tiles or (TILES_PER_SAMPLED_SPLIT if sample else TILES_PER_SPLIT)
     splits = triton.cdiv(sample or n, tiles * block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)

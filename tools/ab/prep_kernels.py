@@ -4,7 +4,7 @@ GPU time per call (median of do_bench_cudagraph: host launch cost out), and the 
 per-token and per_thread K) with either module behind the ops. Then a sweep of the new sum kernels' tiles.
 
     python tools/ab/prep_kernels.py [--rev HEAD] [--n 4096,16384] [--d 128,64] [--tables fp32,bf16] [--reps 3]
-        [--sweep] [--compiled]
+        [--sweep] [--cold-sweep] [--compiled]
 
 The old module is `git show REV:sage_compile/kernels/prep_triton.py`, loaded beside the installed one. Floors as in
 tools/prep_tune.py (3.0 TB/s copy rate). Writes $OUT/prep_kernels_ab.json when OUT is set; a table last.
@@ -47,6 +47,7 @@ def load_old(rev: str):
             assert sample == 0, f"{rev}'s prep has no sampled μK"
             return sums(*args, **kwargs)
         module.rope_partial_sums = rope_partial_sums
+        module.HAS_SAMPLE = False
     return module
 
 
@@ -111,17 +112,21 @@ def kernel_rows(old, x, v, tables, reps):
     m_sampled = new.rope_partial_sums(x, args, True, sample=sample).sum(dim=1) / min(n, sample)
     m_ref = spec.token_mean(prep.rope_reference(x, tables), None, sample).view_as(m_sampled)
     rel = ((m_sampled - m_ref).abs().max() / m_ref.abs().mean()).item()
-    rows.append(dict(kernel=f"K μ sums, {sample}-key sample", old_ms=graph_ms(lambda: old.rope_partial_sums(x, args, True), reps),
+    has_sample = getattr(old, "HAS_SAMPLE", True)
+    old_sample = sample if has_sample else 0
+    rows.append(dict(kernel=f"K μ sums, {sample}-key sample",
+                     old_ms=graph_ms(lambda: old.rope_partial_sums(x, args, True, sample=old_sample), reps),
                      new_ms=graph_ms(lambda: new.rope_partial_sums(x, args, True, sample=sample), reps),
                      floor_ms=floor_read * min(n, sample) / n, equal=rel < 1e-5, max_rel_diff=rel))
     a_old, a_new = old.absmax_partials(v).amax(dim=1), new.absmax_partials(v).amax(dim=1)
     rows.append(dict(kernel="V amax partials", old_ms=graph_ms(lambda: old.absmax_partials(v), reps),
                      new_ms=graph_ms(lambda: new.absmax_partials(v), reps), floor_ms=floor_read,
                      equal=torch.equal(a_old, a_new)))
-    # the whole prep: the old module with μK over all keys (it has no sample), the new one with both μK
+    # the whole prep, μK over all keys and from the sample (a module from before session 18 has no sample: μK over all
+    # keys there)
     for granularity, k_mean_sample in itertools.product(("per_token", "per_thread"), (0, sample)):
         quant = spec.Quantization(k_granularity=granularity, k_mean_sample=k_mean_sample)
-        quant_old = spec.Quantization(k_granularity=granularity, k_mean_sample=0)
+        quant_old = spec.Quantization(k_granularity=granularity, k_mean_sample=k_mean_sample if has_sample else 0)
         run = lambda: prep.rope_prepare(x, x, v, tables, tables, d ** -0.5, quant)  # noqa: E731
         run_old = lambda: prep.rope_prepare(x, x, v, tables, tables, d ** -0.5, quant_old)  # noqa: E731
         p_old, p_new = with_module(old, run_old)(), with_module(new, run)()
@@ -130,7 +135,7 @@ def kernel_rows(old, x, v, tables, reps):
         label = f"whole prep ({granularity} K{', μK sampled' if k_mean_sample else ''})"
         rows.append(dict(kernel=label, old_ms=graph_ms(with_module(old, run_old), reps),
                          new_ms=graph_ms(with_module(new, run), reps), floor_ms=(3 * x.numel() * 3) / BANDWIDTH * 1e3,
-                         equal=equal and (k_mean_sample > 0 or k_diff <= 1), k_max_diff=k_diff))
+                         equal=equal and (k_diff <= 1 or quant_old.k_mean_sample != k_mean_sample), k_max_diff=k_diff))
     return rows
 
 
@@ -148,19 +153,47 @@ def sweep_rows(x, v, tables, reps):
     return rows
 
 
+def cold_kernel_us(fn, calls: int = 20) -> float:
+    """GPU time of fn's kernels (µs per call, torch.profiler's kernel records) with L2 flushed before each call: what
+    a kernel that reads another tensor than the one just streamed sees in the prep (its first read comes from HBM)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MB: five times the H100's L2
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if "FillFunctor" not in e.key) / calls
+
+
 def sampled_sum_sweep_rows(x, tables, reps):
     """μK's sampled sums (spec default sample) by tile, tiles a split and warps, with the reduction of the split
-    partials that rope_mean adds (sum over splits, / count) timed alongside: fewer tiles a split = more programs and
-    a shorter serial chain of gathers, but more partials to add."""
+    partials that rope_mean adds (sum over splits, / count): GPU time with x cold in L2 (cold_kernel_us; in the prep,
+    K's sample is read after Q's quantize streamed Q through L2) and warm (do_bench_cudagraph). Fewer tiles a split =
+    more programs and a shorter serial chain of gathers, but more partials to add."""
     batch, heads, n, d = x.shape
     args = prep._table_args(tables, (batch, heads, n, d // 2))
     sample = spec.Quantization().k_mean_sample
     rows = []
     for block, tiles, warps in itertools.product((16, 32), (1, 2, 4, 8), (2, 4)):
-        ms = graph_ms(lambda: new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample), reps)
-        ms_mean = graph_ms(lambda: new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample).sum(dim=1)
-                           / min(n, sample), reps)
-        rows.append(dict(block=block, tiles=tiles, warps=warps, sum_ms=ms, mean_ms=ms_mean))
+        def mean():
+            return new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample).sum(dim=1) / min(n, sample)
+        rows.append(dict(block=block, tiles=tiles, warps=warps, mean_ms=graph_ms(mean, reps),
+                         cold_mean_us=cold_kernel_us(mean)))
+    return rows
+
+
+def cold_amax_sweep_rows(v, reps):
+    """δV's channel amax (partials + their max, as sage::v_quantize runs them) by tile, tiles a split and warps, V cold
+    in L2 (in the prep it follows K's quantize, which streamed K through L2) and warm."""
+    rows = []
+    for block, tiles, warps in itertools.product((16, 32, 64), (4, 8, 16), (2, 4, 8)):
+        if block * tiles > 1024:
+            continue
+        def amax():
+            return new.absmax_partials(v, block, tiles, warps).amax(dim=1)
+        rows.append(dict(block=block, tiles=tiles, warps=warps, amax_ms=graph_ms(amax, reps), cold_amax_us=cold_kernel_us(amax)))
     return rows
 
 
@@ -225,6 +258,8 @@ def main():
     ap.add_argument("--tables", default="fp32,bf16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="also sweep the new kernels' tiles and warps")
+    ap.add_argument("--cold-sweep", action="store_true",
+                    help="only sweep μK's sampled sums and δV's amax (tiles, warps), their input cold and warm in L2")
     ap.add_argument("--compiled", action="store_true",
                     help="also e2e_bench's compiled prep_fused (bf16 tables, dynamic shapes) with either module")
     a = ap.parse_args()
@@ -233,8 +268,13 @@ def main():
                   rev=a.rev, shapes=[])
     for d, n, tdt in itertools.product(ints(a.d), ints(a.n), a.tables.split(",")):
         x, v, tables = inputs(n, d, getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[tdt]))
-        shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=kernel_rows(old, x, v, tables, a.reps))
-        if a.sweep and tdt == a.tables.split(",")[0]:
+        if a.cold_sweep:
+            shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=[],
+                         sampled_sum_sweep=sampled_sum_sweep_rows(x, tables, a.reps),
+                         cold_amax_sweep=cold_amax_sweep_rows(v, a.reps))
+        else:
+            shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=kernel_rows(old, x, v, tables, a.reps))
+        if a.sweep and not a.cold_sweep and tdt == a.tables.split(",")[0]:
             shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
             shape["sampled_sum_sweep"] = sampled_sum_sweep_rows(x, tables, 1)
             shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
@@ -244,9 +284,12 @@ def main():
         for r in shape["kernels"]:
             print(f"  {r['kernel']:30s} old {r['old_ms']:.4f} new {r['new_ms']:.4f} ms ({r['new_ms'] / r['old_ms'] - 1:+.1%}; "
                   f"{r['old_ms'] / r['floor_ms']:.2f}x -> {r['new_ms'] / r['floor_ms']:.2f}x floor) equal {r['equal']}", flush=True)
-        for r in sorted(shape.get("sampled_sum_sweep", []), key=lambda r: r["mean_ms"])[:4]:
-            print(f"  sampled sums block {r['block']} tiles {r['tiles']} warps {r['warps']}: {r['sum_ms']:.4f} ms, "
-                  f"with the partials' reduction {r['mean_ms']:.4f} ms", flush=True)
+        for r in sorted(shape.get("sampled_sum_sweep", []), key=lambda r: r["cold_mean_us"]):
+            print(f"  sampled sums + their reduction, block {r['block']} tiles {r['tiles']} warps {r['warps']}: "
+                  f"cold {r['cold_mean_us']:.1f} µs of kernels, warm {r['mean_ms'] * 1e3:.1f} µs a graph", flush=True)
+        for r in sorted(shape.get("cold_amax_sweep", []), key=lambda r: r["cold_amax_us"])[:8]:
+            print(f"  δV amax partials + their max, block {r['block']} tiles {r['tiles']} warps {r['warps']}: "
+                  f"cold {r['cold_amax_us']:.1f} µs of kernels, warm {r['amax_ms'] * 1e3:.1f} µs a graph", flush=True)
         for r in sorted(shape.get("sum_sweep", []), key=lambda r: r["sum_ms"] + r["amax_ms"])[:6]:
             print(f"  sweep block {r['block']} tiles {r['tiles']} warps {r['warps']}: sum {r['sum_ms']:.4f} amax {r['amax_ms']:.4f} "
                   f"({r['sum_ms'] / r['floor_ms']:.2f}x / {r['amax_ms'] / r['floor_ms']:.2f}x floor)", flush=True)
