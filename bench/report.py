@@ -383,6 +383,38 @@ def _session18_prep() -> list:
           "D=64 fused-prep column is Dynamo's recompile, see gpu_runs_h100_s18.md)")))
 
 
+def _session19_prep() -> list:
+    """Session 19: the Q + μK one-launch experiment against 8d76c25 (not merged), the cold-L2 sweep of the sampled sums
+    and δV's amax, end to end with a code object per column."""
+    lines = _prep_ab_section(
+        19, "bf16", "Device calls: `gpu_runs_h100_s19.md`.",
+        (("e2e_bench_prep_h100_s19.json", "End to end after session 19's prep, D=128 (e2e_bench with a code object per "
+          "column)"),
+         ("e2e_bench_prep_d64_h100_s19.json", "End to end after session 19's prep, D=64 (a code object per column)"),
+         ("e2e_bench_prep_h100_s19_shared_code.json", "The same code, D=128, with the harness's old shared lambda: the "
+          "per_thread causal 4K column was host-bound (0.78 against 1.07)")))
+    sweep = _load("prep_cold_sweep_h100_s19.json")
+    if not sweep:
+        return lines
+    lines += [f"## μK's sampled sums and δV's amax with their input cold in L2 — {sweep['device']} (session 19)", "",
+              f"`prep_cold_sweep_h100_s19.json` (`python tools/ab/prep_kernels.py --cold-sweep`): {sweep['note']} "
+              "The four fastest cold configurations and the session-18 choice (*).", "",
+              "| D | N | kernel | block | tiles a split | warps | cold µs | warm µs |", "|---|---|---|---|---|---|---|---|"]
+    chosen = {"sums": (16, 4, 2), "amax": (16, 16, None)}
+    for shape in sweep["shapes"]:
+        for kind, rows, cold, warm in (("sums", shape["sampled_sum_sweep"], "cold_mean_us", "mean_ms"),
+                                       ("amax", shape["cold_amax_sweep"], "cold_amax_us", "amax_ms")):
+            block, tiles, warps = chosen[kind]
+            warps = warps or (2 if shape["d"] <= 64 else 4)
+            ranked = sorted(rows, key=lambda r: r[cold])
+            shown = ranked[:4] + [r for r in ranked[4:] if (r["block"], r["tiles"], r["warps"]) == (block, tiles, warps)]
+            for r in shown:
+                mark = " *" if (r["block"], r["tiles"], r["warps"]) == (block, tiles, warps) else ""
+                lines.append(f"| {shape['d']} | {shape['n']} | {kind}{mark} | {r['block']} | {r['tiles']} | {r['warps']} | "
+                             f"{r[cold]:.1f} | {r[warm] * 1e3:.1f} |")
+    return lines + [""]
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -475,6 +507,7 @@ def main() -> int:
     lines += _session16_q_prologue()
     lines += _session17_prep()
     lines += _session18_prep()
+    lines += _session19_prep()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [

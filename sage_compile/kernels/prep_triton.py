@@ -35,8 +35,9 @@ THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
 # μK from a sample of keys (spec.mean_sample_positions): 32-key tiles, 2 a split, so 512 samples make 8 programs per head,
 # each gathering 256-byte rows. Swept with K cold in L2, as in the prep (tools/ab/prep_kernels.py --cold-sweep, H100,
-# session 19, the sums and their reduction): at D=128 11.3 / 8.8 µs at 4K / 16K tokens a head against 12.6 / 11.0 for the
-# session-18 choice (16-key tiles, 4 a split), at D=64 level (11.4 / 8.9 against 11.3 / 8.7)
+# session 19, two runs, the sums and their reduction): at D=128 11.3-11.4 / 8.8-8.9 µs at 4K / 16K tokens a head
+# against 12.6 / 10.8-11.0 for the session-18 choice (16-key tiles, 4 a split); at D=64 level (11.4 / 8.8-8.9 against
+# 11.3-11.4 / 8.7-8.9)
 SAMPLED_SUM_BLOCK_N, TILES_PER_SAMPLED_SPLIT = 32, 2
 AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
 # V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
