@@ -46,6 +46,14 @@ MEASURED_ON = "H100 and H200 (sm90), docs/results/e2e_bench_h100* and e2e_bench_
 # per-token in the same run 0.86, 0.97, 1.00 (causal 0.81, 0.91, 1.00). 4K is inside the spread.
 # Session 15, the missing 8K point (docs/results/e2e_bench_d64_8k_h100_s15.json, H100): per_thread 1.12 (causal
 # 1.05), per-token 0.93 (0.90) → D=64 per_thread from 8K in both alignments (H100 only; the H200 not re-measured).
+# Session 19 (H100; docs/results/e2e_bench_prep_h100_s19.json, e2e_bench_prep_d64_h100_s19.json): e2e_bench now compiles
+#   each column from its own code object. Before, one lambda served every column and both causal values, and Dynamo
+#   checked the other columns' guards on every call: the last-compiled column was host-bound at short N (per_thread
+#   causal 4K measured 0.78; its host time 0.76 ms a call against 0.57 ms of GPU work). So earlier short-N points may
+#   be low. Re-measured, per_thread D=128 4K/8K/16K: 1.13, 1.20, 1.27 (causal 1.07, 1.16, 1.22; causal 4K alone in a
+#   fresh process 1.08-1.10); per-token 1.01, 1.07, 1.11 (causal 0.98, 1.02, 1.15); D=64 per_thread 1.08, 1.14, 1.22
+#   (causal 1.02, 1.10, 1.19), per-token 0.91, 0.95, 1.01. Causal per_thread D=128 is ahead at 4K on the H100; it stays
+#   8K until the H200 (0.98 at 4K in session 10, with the old harness) is re-measured.
 MEASURED_PER_THREAD_K = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
