@@ -183,8 +183,8 @@ def _main(argv=None):
                    env={k: os.environ.get(k) for k in ("SAGE_KERNELS", "SAGE_SM90_VARIANT", "SAGE_Q_PROLOGUE")})
     sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
     for d in (int(x) for x in opts.d.split(",")):
-        # each head dim compiled as a model with that head dim would be: Dynamo's recompile of the same functions for
-        # a second head dim ran the fused prep's quantize kernels 1.5× slower (session 18, tools/ab/prep_compile_order.py)
+        # each head dim compiled as a model with that head dim would be, with no other head dim's entries to check
+        # (session 18 saw a recompile for a second head dim run the prep 1.3× slower; session 19 did not reproduce it)
         torch._dynamo.reset()
         heads = SHAPES[d]
         kernel, _ = dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), opts.pv, torch.bfloat16)

@@ -3,9 +3,10 @@ compiled by Dynamo's recompile of the same function after D=128 — GPU time (do
 per-kernel CUDA times, and what Inductor generated for the rope-quantize kernel each time (its triton_meta: signature,
 constexprs, the divisibility hints in `configs`; num_warps), so the two D=64 compiles can be diffed.
 
-Session 18 on the H100 (the same steps as a scratch script; this file has not itself been run): fresh 0.1553 ms;
-after D=128 with a dynamo.reset() between 0.1583; recompiled without reset 0.1997, its two rope-quantize launches
-121 µs instead of 80. Forcing the head dim static in rope_prepare did not change it. Open: why.
+Session 18 on the H100 (the same steps as a scratch script): fresh 0.1553 ms; after D=128 with a dynamo.reset() between
+0.1583; recompiled without reset 0.1997, its two rope-quantize launches 121 µs instead of 80. Session 19 ran this file
+on the H100 (docs/results/gpu_runs_h100_s19.md, call 1) and did not reproduce it: recompiled 0.1607 ms, the launches
+81.3 µs, and the generated code of the three D=64 compiles identical but for kernel indices and temporary paths.
 
     python tools/ab/prep_compile_order.py      (writes $OUT/prep_code_<order>.py when OUT is set)
 """
