@@ -63,7 +63,7 @@ def run(args: KernelArgs, out, lse) -> str:
             f"(faster kernels unavailable: {reasons})",
             stacklevel=3,
         )
-    module.run(args, out, lse)
+    getattr(module, "run_supported", module.run)(args, out, lse)
     return module.NAME
 
 

@@ -174,7 +174,30 @@ def _empty_outputs(q, k, head_dim, out_dtype):
     return out, lse
 
 
-@torch.library.custom_op("sage::quantized_attention", mutates_args=(), tags=(torch.Tag.needs_contiguous_strides,))
+def _no_grad_inputs(op: str, *tensors) -> None:
+    """The quantized ops have no backward. They are registered without an autograd kernel (``_define_op``), so under
+    grad mode torch would record a graph through their launches: refuse inputs that require grad instead of letting a
+    backward pass return wrong gradients. (sage.attention never passes them: support.unsupported_reason sends such
+    calls to SDPA.)"""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"sage::{op} has no backward: its inputs must not require grad")
+
+
+def _define_op(tags=()):
+    """Registers the decorated function as ``sage::<its name>`` (schema from its annotations) with its one
+    implementation for every device (CompositeExplicitAutograd) — the dispatcher then calls it directly.
+    ``torch.library.custom_op`` would add, on every call, a Python autograd kernel, a redispatch and an
+    output-aliasing check: ~0.1 ms of host time per call on the H100 machine's CPU (session 20,
+    tools/host_overhead.py), ~20 µs here on CI's. Returns the function; the fake (meta) implementation is
+    registered with torch.library.register_fake."""
+    def define(fn):
+        _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
+        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        return fn
+    return define
+
+
+@_define_op(tags=(torch.Tag.needs_contiguous_strides,))
 def quantized_attention(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor],
@@ -184,6 +207,7 @@ def quantized_attention(
     """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores).
     ``k_thread_groups``: k_scale is constant over each per_thread key group (k_granularity='per_thread');
     a kernel may then read one δK per group."""
+    _no_grad_inputs("quantized_attention", q_scale, k_scale, v_scale, v_mean, delta_s, attn_mask)
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens,
                       q_group, causal, head_dim, out_dtype, attn_mask, k_thread_groups)
@@ -193,7 +217,7 @@ def quantized_attention(
     return out, lse
 
 
-@torch.library.custom_op("sage::rope_q_attention", mutates_args=())
+@_define_op()
 def rope_q_attention(
     xq: torch.Tensor, q_tables: List[torch.Tensor], q_out_scale: float, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], causal: int, head_dim: int,
@@ -204,6 +228,7 @@ def rope_q_attention(
     dim contiguous, so no ``needs_contiguous_strides``). Where the kernel cannot take these inputs at run time
     (``sm90.supports_rope_q``) the prep's Q step runs first and the dispatcher picks the kernel, counted in
     ``counters["sage"]["q_rope_outside_kernel"]`` with the reason warned once."""
+    _no_grad_inputs("rope_q_attention", xq, *q_tables, k_scale, v_scale, v_mean)
     out, lse = _empty_outputs(xq, k, head_dim, out_dtype)
     if xq.shape[2] == 0:
         return out, lse
@@ -213,7 +238,7 @@ def rope_q_attention(
     if reason is None:
         from .kernels import sm90
 
-        sm90.run_rope_q(args, q_tables, q_out_scale, out, lse)
+        sm90.run_rope_q_supported(args, q_tables, q_out_scale, out, lse)
         return out, lse
     torch._dynamo.utils.counters["sage"]["q_rope_outside_kernel"] += 1
     if reason not in _reported_fallbacks:
@@ -236,12 +261,12 @@ def _rope_q_kernel_reason(args: KernelArgs, q_tables) -> Optional[str]:
     return sm90.supports_rope_q(args, q_tables)
 
 
-@rope_q_attention.register_fake
+@torch.library.register_fake("sage::rope_q_attention")
 def _(xq, q_tables, q_out_scale, k, k_scale, v, v_scale, v_mean, causal, head_dim, out_dtype, k_thread_groups=False):
     return _empty_outputs(xq, k, head_dim, out_dtype)
 
 
-@quantized_attention.register_fake
+@torch.library.register_fake("sage::quantized_attention")
 def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, q_group, causal, head_dim,
       out_dtype, k_thread_groups=False):
     return _empty_outputs(q, k, head_dim, out_dtype)

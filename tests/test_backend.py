@@ -129,6 +129,10 @@ def test_options_split_between_sage_and_inductor():
     assert stage2.uuid() != other.uuid()  # the cache key follows the config (and our sources)
     with pytest.raises(ValueError, match="qk="):
         SageConfig.from_options({"qk": "int3"})
+    # the prep's Triton kernels are launched by Inductor's static launcher unless options= say otherwise
+    assert patches["static_launch_user_defined_triton_kernels"] is True
+    off = inductor_patches(config, None, {"static_launch_user_defined_triton_kernels": False}, SiteReport())
+    assert off["static_launch_user_defined_triton_kernels"] is False
 
 
 def test_compile_carries_mode_beside_a_config(monkeypatch):

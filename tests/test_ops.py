@@ -30,6 +30,25 @@ def test_opcheck_quantized_attention():
                           test_utils=("test_faketensor", "test_autograd_registration"))
 
 
+def test_quantized_op_refuses_inputs_that_require_grad():
+    # registered without an autograd kernel (ops._define_op, for host time): a backward through it must not run
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=3)
+    args = list(_prepared_args(q, k, v, spec.Quantization(pv="fp16")))
+    args[5] = args[5].clone().requires_grad_()  # v_scale
+    with pytest.raises(RuntimeError, match="no backward"):
+        torch.ops.sage.quantized_attention(*args)
+    with torch.no_grad():  # the same inputs under no_grad run
+        out, _ = torch.ops.sage.quantized_attention(*args)
+    assert torch.isfinite(out).all() and not out.requires_grad
+
+
+def test_quantized_ops_have_no_python_autograd_layer():
+    # the dispatcher calls the implementation directly: no Python kernel on the Autograd key
+    for name in ("quantized_attention", "rope_q_attention"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"sage::{name}", "Autograd")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sage::{name}", "CompositeExplicitAutograd")
+
+
 def test_opcheck_attention():
     q, k, v = random_qkv(2, 4, 2, 40, 40, 80, seed=1)
     torch.library.opcheck(torch.ops.sage.attention, (q, k, v), {"causal": 1, "pv": "fp16", "enable_gqa": True})

@@ -2,7 +2,9 @@
 
 Each module exposes ``NAME``, ``supports(args) -> str | None`` (None when it can run ``args``, else the
 reason it cannot) and ``run(args, out, lse)`` which writes into preallocated outputs on the current
-stream. ``sage_compile.dispatch`` picks the first that supports the inputs, in the order below.
+stream. ``sage_compile.dispatch`` picks the first that supports the inputs, in the order below. A module whose
+``run`` checks ``supports`` again may also expose ``run_supported(args, out, lse)``, which the dispatcher calls
+instead (the host time of one check less per call).
 """
 from __future__ import annotations
 

@@ -178,6 +178,17 @@ def run_rope_q(args: KernelArgs, tables, q_out_scale: float, out: torch.Tensor, 
     reason = supports_rope_q(args, tables)
     if reason is not None:
         raise ValueError(f"sage.quantized_attention (sm90, Q's rotary in the kernel): {reason}")
+    _launch_rope_q(args, tables, q_out_scale, out, lse, launch_variant)
+
+
+def run_rope_q_supported(args: KernelArgs, tables, q_out_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                         launch_variant: Optional[int] = None) -> None:
+    """``run_rope_q`` for inputs ``supports_rope_q`` has just accepted (sage::rope_q_attention)."""
+    check_inputs(args, out, lse, "cuda")
+    _launch_rope_q(args, tables, q_out_scale, out, lse, launch_variant)
+
+
+def _launch_rope_q(args: KernelArgs, tables, q_out_scale: float, out, lse, launch_variant) -> None:
     half = (*args.q.shape[:3], args.q.shape[-1] // 2)
     strides = [broadcast_strides(torch.broadcast_to(t, half)) for t in tables]
     same = all(tables[i].data_ptr() == tables[i + 2].data_ptr() and strides[i] == strides[i + 2] for i in (0, 1))
@@ -197,6 +208,12 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: 
     reason = supports(args)
     if reason is not None:
         raise ValueError(f"sage.quantized_attention (sm90): {reason}")
+    _launch(args, out, lse, launch_variant)
+
+
+def run_supported(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, launch_variant: Optional[int] = None) -> None:
+    """``run`` for inputs ``supports`` has just accepted (dispatch.run): the shape checks, not supports again."""
+    check_inputs(args, out, lse, "cuda")
     _launch(args, out, lse, launch_variant)
 
 
@@ -222,7 +239,7 @@ def _launch(args: KernelArgs, out, lse, launch_variant, extra_strides=None, **ro
         sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp),
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
-        out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch.cuda.current_stream(args.device).cuda_stream,
+        out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch._C._cuda_getCurrentRawStream(args.device.index),
         variant=variant(dp, pv16, args.k_thread_groups) if launch_variant is None else launch_variant,
         k_thread_groups=args.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.q_group, mask=ptr(args.attn_mask),
