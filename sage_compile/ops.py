@@ -187,9 +187,9 @@ def _define_op(tags=()):
     """Registers the decorated function as ``sage::<its name>`` (schema from its annotations) with its one
     implementation for every device (CompositeExplicitAutograd) — the dispatcher then calls it directly.
     ``torch.library.custom_op`` would add, on every call, a Python autograd kernel, a redispatch and an
-    output-aliasing check: ~0.1 ms of host time per call on the H100 machine's CPU (session 20,
-    tools/host_overhead.py), ~20 µs here on CI's. Returns the function; the fake (meta) implementation is
-    registered with torch.library.register_fake."""
+    output-aliasing check: 13 µs of the op's 60 on CI's CPU (session 20; on the H100 machine's shared host CPU the
+    difference was within run-to-run noise, tools/host_overhead.py). Returns the function; the fake (meta)
+    implementation is registered with torch.library.register_fake."""
     def define(fn):
         _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
         _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
@@ -207,7 +207,7 @@ def quantized_attention(
     """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores).
     ``k_thread_groups``: k_scale is constant over each per_thread key group (k_granularity='per_thread');
     a kernel may then read one δK per group."""
-    _no_grad_inputs("quantized_attention", q_scale, k_scale, v_scale, v_mean, delta_s, attn_mask)
+    _no_grad_inputs("quantized_attention", q_scale, k_scale, v, v_scale, v_mean, delta_s, attn_mask)
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens,
                       q_group, causal, head_dim, out_dtype, attn_mask, k_thread_groups)
@@ -228,7 +228,7 @@ def rope_q_attention(
     dim contiguous, so no ``needs_contiguous_strides``). Where the kernel cannot take these inputs at run time
     (``sm90.supports_rope_q``) the prep's Q step runs first and the dispatcher picks the kernel, counted in
     ``counters["sage"]["q_rope_outside_kernel"]`` with the reason warned once."""
-    _no_grad_inputs("rope_q_attention", xq, *q_tables, k_scale, v_scale, v_mean)
+    _no_grad_inputs("rope_q_attention", xq, *q_tables, k_scale, v, v_scale, v_mean)
     out, lse = _empty_outputs(xq, k, head_dim, out_dtype)
     if xq.shape[2] == 0:
         return out, lse
