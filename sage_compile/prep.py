@@ -164,7 +164,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
     def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0) -> torch.Tensor:
-        """CUDA: partial sums of rope(x) over token ranges (Triton), then their sum / N; with sample > 0, over the keys
+        """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with sample > 0, over the keys
         spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x), then / min(N, sample)."""
         from .kernels import prep_triton
 
@@ -172,7 +172,7 @@ if HAS_TRITON:
         partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
                                                 _same_halves(tables), sample=sample)
         count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
-        return (partial.sum(dim=1) / count).view(batch, heads, 1, d)
+        return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
@@ -190,11 +190,11 @@ if HAS_TRITON:
     @torch.library.triton_op("sage::v_quantize", mutates_args=())
     def v_quantize(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """CUDA: (V̂ᵀ [B,H,D,N_pad16] e4m3, δV [B,H,D]) of ``spec.prepare_v`` (FP8, no smooth_v): per-split
-        channel amax (Triton), their max (torch: exact), then δV, quantize and transpose (Triton)."""
+        channel amax, their max, then δV, quantize and transpose (Triton)."""
         from .kernels import prep_triton
 
         batch, heads, n, d = v.shape
         delta = torch.empty((batch, heads, d), dtype=torch.float32, device=v.device)
         v_t = torch.empty((batch, heads, d, (n + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=v.device)
-        prep_triton.launch_v_quantize(v, prep_triton.absmax_partials(v).amax(dim=1), delta, v_t)
+        prep_triton.launch_v_quantize(v, prep_triton.reduce_splits(prep_triton.absmax_partials(v)), delta, v_t)
         return v_t, delta

@@ -40,6 +40,9 @@ SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
 # 11.3-11.4 / 8.7-8.9)
 SAMPLED_SUM_BLOCK_N, TILES_PER_SAMPLED_SPLIT = 32, 2
 AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
+# The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K tokens
+# (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
+REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
 # V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
 # floor (the old 64 on 8 warps: 1.18-1.20×; same sweep)
 V_BLOCK_N, V_BLOCK_N_D64, V_WARPS = 32, 64, 4
@@ -215,6 +218,30 @@ def _absmax_sum_kernel(x_ptr, sxb, sxh, sxn, sxd, out_ptr, H, N, TILES_PER_SPLIT
 
 
 @triton.jit
+def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS: tl.constexpr, CHUNK: tl.constexpr,
+                          MEAN: tl.constexpr):
+    """The second step of μK's sums and δV's amax: out[bh, c] = (Σ_s in[bh, s, c]) / COUNT (MEAN) or max_s in[bh, s, c]
+    over the SPLITS partials of a head, COLS channels a program. The sum's order is fixed — CHUNK splits at a time, each
+    chunk by tl.sum of one layout, chunks in order — so the same partials give the same bits on every compile. (Until
+    session 21 Inductor generated this step; its autotuner could pick a different config, so a different summation
+    order, on each compile — and once picked a config 4× slower for δV's max: 6.2 µs against 1.4.)"""
+    bh = tl.program_id(0)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    base = in_ptr + bh * SPLITS * D
+    acc = tl.zeros([COLS], dtype=tl.float32)
+    for first in range(0, SPLITS, CHUNK):
+        splits = first + tl.arange(0, CHUNK)
+        x = tl.load(base + splits[:, None] * D + cols[None, :], mask=(splits < SPLITS)[:, None], other=0.0)
+        if MEAN:
+            acc += tl.sum(x, axis=0)
+        else:  # the partials are maxima of |x|: ≥ 0, so the masked 0.0 changes nothing
+            acc = tl.maximum(acc, tl.max(x, axis=0))
+    if MEAN:
+        acc = acc / COUNT
+    tl.store(out_ptr + bh * D + cols, acc)
+
+
+@triton.jit
 def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, H, N, N_PAD,
                        D: tl.constexpr, BLOCK: tl.constexpr):
     """V̂ᵀ[bh, :, tokens] = e4m3(clamp(v/δV, ±448)) for one tile of tokens, stored transposed, with
@@ -253,6 +280,17 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
         *_x_args(x), *table_args, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
         SAME_HALVES=same_halves, SAMPLED=sample > 0, num_warps=warps)
     return partial
+
+
+def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
+    """fp32 [B·H, D] from partials [B·H, splits, D]: their sum / count (count given: μK) or their max (δV's amax),
+    in _splits_reduce_kernel's fixed order."""
+    rows, splits, d = partial.shape
+    out = torch.empty((rows, d), dtype=torch.float32, device=partial.device)
+    wrap_triton(_splits_reduce_kernel)[(rows, triton.cdiv(d, REDUCE_COLS))](
+        partial, out, splits, 1 if count is None else count, D=d, COLS=REDUCE_COLS, CHUNK=REDUCE_CHUNK,
+        MEAN=count is not None, num_warps=REDUCE_WARPS)
+    return out
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,

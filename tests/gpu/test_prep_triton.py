@@ -105,6 +105,29 @@ def test_rope_mean_matches_reference(batch, heads, n, d, kind, sample, seed):
     assert mean.shape == (batch, heads, 1, d) and ((mean.cpu().double() - r.mean(dim=-2, keepdim=True)).abs() <= bound).all()
 
 
+@settings(max_examples=24, deadline=None)
+@given(rows=st.integers(1, 70), splits=st.sampled_from([1, 2, 7, 8, 63, 64, 65, 200]), d=st.sampled_from([64, 128]),
+       count=st.sampled_from([None, 1, 512, 5000]), seed=st.integers(0, 2**16))
+def test_reduce_splits_is_the_sum_or_max_in_a_fixed_order(rows, splits, d, count, seed):
+    """μK's sum / count and δV's max over per-split partials: the max exact, the sum within fp32 rounding of a float64
+    sum, and both the same bits when run again (no order that depends on a launch or a compile)."""
+    from sage_compile.kernels import prep_triton
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    partial = torch.randn(rows, splits, d, generator=g, device=DEV) * 30
+    if count is None:
+        partial = partial.abs()
+    out = prep_triton.reduce_splits(partial, count)
+    again = prep_triton.reduce_splits(partial.clone(), count)
+    assert out.shape == (rows, d) and torch.equal(out.view(torch.int32), again.view(torch.int32))
+    if count is None:
+        assert torch.equal(out, partial.amax(dim=1))
+    else:
+        exact = partial.double().sum(dim=1) / count
+        bound = 1e-6 * partial.double().abs().sum(dim=1) / count + 1e-30
+        assert ((out.double() - exact).abs() <= bound).all()
+
+
 @settings(max_examples=16, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 15, 16, 17, 129, 1000, 5000]),
        d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), dtype=st.sampled_from(["bf16", "fp16"]),
@@ -155,6 +178,10 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity, monkeypat
     assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
     assert code.count("async_compile.triton('_v_quantize_kernel'") == 1  # V's prep in our kernels too
     assert code.count("async_compile.triton('_absmax_sum_kernel'") == 1
+    # μK's sum and δV's max over their partials: our kernel (a fixed summation order on every compile), not a
+    # reduction Inductor generates and autotunes
+    assert code.count("async_compile.triton('_splits_reduce_kernel'") == 2
+    assert "triton_per_fused" not in code and "triton_red_fused" not in code
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
     call = code[code.index("torch.ops.sage.quantized_attention.default("):].split("\n")[0]
     assert call.rstrip(")").endswith("True") == (k_granularity == "per_thread"), call  # k_thread_groups
