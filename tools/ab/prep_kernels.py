@@ -32,8 +32,14 @@ BANDWIDTH = 3.0e12  # bytes/s, the H100's measured copy rate (e2e_bench copy_ban
 
 
 def load_old(rev: str):
-    src = subprocess.run(["git", "show", f"{rev}:sage_compile/kernels/prep_triton.py"], check=True,
-                         capture_output=True, text=True).stdout
+    """The prep's Triton module at git revision ``rev``, or from the file ``rev`` (the device's copy of the tree
+    may not have the revision: write the file here with git show)."""
+    if os.path.isfile(rev):
+        with open(rev) as f:
+            src = f.read()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:sage_compile/kernels/prep_triton.py"], check=True,
+                             capture_output=True, text=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "prep_triton_old.py")
     with open(path, "w") as f:
         f.write(src)
@@ -48,6 +54,9 @@ def load_old(rev: str):
             return sums(*args, **kwargs)
         module.rope_partial_sums = rope_partial_sums
         module.HAS_SAMPLE = False
+    if not hasattr(module, "reduce_splits"):  # before session 21: the partials' sum / max in torch (Inductor's kernel)
+        module.reduce_splits = lambda partial, count=None: (partial.amax(dim=1) if count is None
+                                                            else partial.sum(dim=1) / count)
     return module
 
 
