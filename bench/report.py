@@ -415,6 +415,27 @@ def _session19_prep() -> list:
     return lines + [""]
 
 
+def _session21() -> list:
+    """Session 21: the H200 re-measured with the fixed harness (thresholds), the H100 after the prep's own split
+    reduction, and the determinism probe."""
+    lines = []
+    for name, title in (("e2e_bench_d128_h200_s21.json", "End to end, D=128, session 21 (thresholds re-measured)"),
+                        ("e2e_bench_d64_h200_s21.json", "End to end, D=64, session 21"),
+                        ("e2e_bench_reduce_h100_s21.json", "End to end after the prep's own split reduction, session 21")):
+        e2e = _load(name)
+        if e2e:
+            lines += _e2e_table(e2e, title) + [f"Source: `{name}`. Device calls: `gpu_runs_s21.md`.", ""]
+    det = _load("determinism_h100_s21.json")
+    if det:
+        lines += [f"## Determinism of each stage — {det['device']}, torch {det['torch']} (session 21)", "",
+                  f"`tools/determinism.py`, N={det['n']}, {det['heads']} heads, D={det['d']}, per_thread K: each stage "
+                  "repeated on the same inputs, outputs compared bit for bit with the first run's.", "",
+                  "| stage | runs | runs that differ |", "|---|---|---|"]
+        lines += [f"| {k} | {r['reps']} | {r['differing_runs']} |" for k, r in det["stages"].items() if isinstance(r, dict)]
+        lines.append("")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -508,6 +529,7 @@ def main() -> int:
     lines += _session17_prep()
     lines += _session18_prep()
     lines += _session19_prep()
+    lines += _session21()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
