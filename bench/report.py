@@ -431,7 +431,7 @@ def _session21() -> list:
                   f"`tools/determinism.py`, N={det['n']}, {det['heads']} heads, D={det['d']}, per_thread K: each stage "
                   "repeated on the same inputs, outputs compared bit for bit with the first run's.", "",
                   "| stage | runs | runs that differ |", "|---|---|---|"]
-        lines += [f"| {k} | {r['reps']} | {r['differing_runs']} |" for k, r in det["stages"].items() if isinstance(r, dict)]
+        lines += [f"| {k} | {r['reps']} | {r['differing_runs']} |" for k, r in det["stages"].items()]
         lines.append("")
     return lines
 

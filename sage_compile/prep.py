@@ -164,8 +164,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
     def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0) -> torch.Tensor:
-        """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with sample > 0, over the keys
-        spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x), then / min(N, sample)."""
+        """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with
+        sample > 0, over the keys spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x),
+        then / min(N, sample)."""
         from .kernels import prep_triton
 
         batch, heads, n, d = x.shape

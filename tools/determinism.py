@@ -21,7 +21,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 
 def _flat(result):
@@ -52,14 +51,6 @@ def repeat_and_compare(fn, reps: int) -> dict:
     return {"reps": reps, "differing_runs": differing, "max_abs_diff": worst, "max_elements_differing": elements}
 
 
-def _block(xq, xk, v, cos, sin, causal=False):
-    def rope(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    q, k = rope(xq).transpose(1, 2), rope(xk).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=300)
@@ -70,6 +61,7 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
 
     import sage_compile
+    from bench.e2e_bench import attention_block  # rope(q), rope(k) → SDPA, the benchmark's block
     import sage_compile.ops  # noqa: F401  (registers the sage ops: importing the package registers nothing)
     from sage_compile import SageConfig, prep, spec
 
@@ -109,7 +101,7 @@ def main(argv=None) -> int:
     for mode in ("0", "1"):
         os.environ["SAGE_Q_PROLOGUE"] = mode
         torch._dynamo.reset()
-        compiled = sage_compile.compile(_block, config=config, options={"force_disable_caches": True})
+        compiled = sage_compile.compile(attention_block, config=config, options={"force_disable_caches": True})
         stage(f"compiled block, SAGE_Q_PROLOGUE={mode}", lambda: compiled(xq, xk, v, cos, sin, bool(opts.causal)))
     out_dir = os.environ.get("OUT") or "/tmp"
     with open(os.path.join(out_dir, "determinism.json"), "w") as f:

@@ -112,13 +112,13 @@ def kernel_rows(old, x, v, tables, reps):
                          equal=equal))
     s_old = old.rope_partial_sums(x, args, True)
     s_new = new.rope_partial_sums(x, args, True)
-    m_old, m_new = s_old.sum(dim=1) / n, s_new.sum(dim=1) / n
+    m_old, m_new = old.reduce_splits(s_old, n), new.reduce_splits(s_new, n)
     rel = ((m_old - m_new).abs().max() / m_old.abs().mean()).item()
     rows.append(dict(kernel="K μ partial sums", old_ms=graph_ms(lambda: old.rope_partial_sums(x, args, True), reps),
                      new_ms=graph_ms(lambda: new.rope_partial_sums(x, args, True), reps), floor_ms=floor_read,
                      equal=rel < 1e-5, max_rel_diff=rel))
     sample = spec.Quantization().k_mean_sample  # μK from a sample of keys (session 18): the default spec now
-    m_sampled = new.rope_partial_sums(x, args, True, sample=sample).sum(dim=1) / min(n, sample)
+    m_sampled = new.reduce_splits(new.rope_partial_sums(x, args, True, sample=sample), min(n, sample))
     m_ref = spec.token_mean(prep.rope_reference(x, tables), None, sample).view_as(m_sampled)
     rel = ((m_sampled - m_ref).abs().max() / m_ref.abs().mean()).item()
     has_sample = getattr(old, "HAS_SAMPLE", True)
@@ -178,7 +178,7 @@ def cold_kernel_us(fn, calls: int = 20) -> float:
 
 def sampled_sum_sweep_rows(x, tables, reps):
     """μK's sampled sums (spec default sample) by tile, tiles a split and warps, with the reduction of the split
-    partials that rope_mean adds (sum over splits, / count): GPU time with x cold in L2 (cold_kernel_us; in the prep,
+    partials that rope_mean adds (reduce_splits: sum over splits, / count; until session 21 torch's sum): GPU time with x cold in L2 (cold_kernel_us; in the prep,
     K's sample is read after Q's quantize streamed Q through L2) and warm (do_bench_cudagraph). Fewer tiles a split =
     more programs and a shorter serial chain of gathers, but more partials to add."""
     batch, heads, n, d = x.shape
@@ -187,7 +187,7 @@ def sampled_sum_sweep_rows(x, tables, reps):
     rows = []
     for block, tiles, warps in itertools.product((16, 32), (1, 2, 4, 8), (2, 4)):
         def mean():
-            return new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample).sum(dim=1) / min(n, sample)
+            return new.reduce_splits(new.rope_partial_sums(x, args, True, block, tiles, warps, sample=sample), min(n, sample))
         rows.append(dict(block=block, tiles=tiles, warps=warps, mean_ms=graph_ms(mean, reps),
                          cold_mean_us=cold_kernel_us(mean)))
     return rows
@@ -201,7 +201,7 @@ def cold_amax_sweep_rows(v, reps):
         if block * tiles > 1024:
             continue
         def amax():
-            return new.absmax_partials(v, block, tiles, warps).amax(dim=1)
+            return new.reduce_splits(new.absmax_partials(v, block, tiles, warps))
         rows.append(dict(block=block, tiles=tiles, warps=warps, amax_ms=graph_ms(amax, reps), cold_amax_us=cold_kernel_us(amax)))
     return rows
 
