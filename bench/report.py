@@ -425,7 +425,7 @@ def _session21() -> list:
         e2e = _load(name)
         if e2e:
             lines += _e2e_table(e2e, title) + [f"Source: `{name}`. Device calls: `gpu_runs_s21.md`.", ""]
-    det = _load("determinism_h100_s21.json")
+    det = _load("determinism_final_h100_s21.json")  # the final code (determinism_h100_s21.json: call 2, ticket V)
     if det:
         lines += [f"## Determinism of each stage — {det['device']}, torch {det['torch']} (session 21)", "",
                   f"`tools/determinism.py`, N={det['n']}, {det['heads']} heads, D={det['d']}, per_thread K: each stage "
