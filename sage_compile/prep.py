@@ -19,12 +19,12 @@ Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] and four t
 broadcastable to x₁ (for the usual half tables c₁ = c₂ = cos, s₁ = s₂ = sin; for HF's full-width
 ``x·cos + rotate_half(x)·sin`` they are cos/sin's halves):
 
-    rope(x) = cat(x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂)         computed in fp32, no fused multiply-adds.
+    rope(x) = cat(x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂)         computed in fp32, each product rounded once.
 
 The numerics are ``spec.prepare`` applied to that fp32 rope(x) (what Inductor's fused path computes too:
 it keeps a fused chain in fp32): ``rope_prepare`` below is the spec for this path and the CPU
-implementation; the Triton kernels agree with it exactly (IEEE division, round-half-even, no FMA) up to
-the summation order of μ.
+implementation; the Triton kernels agree with it exactly (each product rounded once, IEEE division for δ and
+1/δ, round-half-even) up to the summation order of μ.
 """
 from __future__ import annotations
 

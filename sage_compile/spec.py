@@ -137,9 +137,16 @@ def check_k_thread_groups(k_scale: torch.Tensor) -> None:
 
 
 def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
-    """x̂ = clamp(round_half_even(x/δ), ±levels), δ = fma_friendly(amax/levels); returns (int8 x̂, fp32 δ)."""
-    delta = fma_friendly(amax.clamp_min(torch.finfo(torch.float32).tiny) / levels)
-    xq = torch.round(x / delta.unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
+    """x̂ = clamp(round_half_even(x·(1/δ)), ±levels), δ = fma_friendly(max(amax/levels, tiny)); returns (int8 x̂,
+    fp32 δ). Every fp32 operation rounds once: amax/levels and 1/δ are IEEE divisions, x·(1/δ) one rounded product.
+
+    The product with the rounded reciprocal (not the quotient x/δ, as DESIGN.md writes it, and as this spec was until
+    session 22) is what a kernel computes in two instructions — mul, then add 1.5·2²³, whose ulp of 1 makes the add
+    the rint — where matching the IEEE quotient took six and a rare division; the prep's quantize kernels are
+    issue-bound, so that is their speed. The two differ by one step only where x/δ lies within ~1e-5 of a
+    half-integer. δ is at least the smallest normal float, so 1/δ is finite (an all-zero group quantizes to 0)."""
+    delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
+    xq = torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
     return xq, delta
 
 
@@ -297,8 +304,8 @@ def prepare_v(v: torch.Tensor, quant: Quantization, kv_lens: Optional[torch.Tens
         v_mean = _pad_last(v_mean4.squeeze(-2), pad)
     if kv_lens is not None:  # padded keys must not set δV
         vf = vf * valid_key_mask(kv_lens, v.shape[-2]).to(vf.dtype)[:, None, :, None]
-    v_delta = vf.abs().amax(dim=-2).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
-    v_hat = quantize_pv_operand(vf / v_delta.unsqueeze(-2), quant.pv)
+    v_delta = (vf.abs().amax(dim=-2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # 1/δV finite
+    v_hat = quantize_pv_operand(vf * (1.0 / v_delta).unsqueeze(-2), quant.pv)  # as quantize_symmetric: ·(1/δV)
     n_k = v.shape[-2]
     v_t = v_hat.transpose(-1, -2)
     token_pad = (-n_k) % 16

@@ -671,21 +671,13 @@ __device__ __forceinline__ void load8_as_float(const void* base, int64_t at, int
   }
 }
 
-// The int8 x̂ = rint(x/δ) of the spec (x/δ an IEEE division, round half to even; |x| ≤ amax so |x̂| ≤ 127 with no
-// clamp: δ ≥ amax/127 up to the division's rounding), as the bits of M + x̂ (M = 1.5·2^23: its low byte is x̂'s byte).
-// Fast: from x·inv (inv = 1/δ rounded) in one FMA. The product is within 2^-24·128 < 7.7e-6 of the quotient x/δ, and
-// the division rounds the quotient by at most 3.9e-6 (half an ulp below 128), so both give the same integer unless
-// x·inv − x̂ lies within 1.2e-5 of ±1/2: `suspicious` is raised from 2e-5 (and for a subnormal δ, whose inverse
-// overflows: x·inv NaN or ±inf); the caller then takes the exact path, which divides.
+// The int8 x̂ = rint(x·inv) of the spec (spec.quantize_symmetric: inv = 1/δ rounded, the product rounded once, round
+// half to even; |x| ≤ amax and δ ≥ amax/127, so |x̂| ≤ 127 with no clamp), as the bits of M + x̂ (M = 1.5·2^23: the
+// sum's ulp is 1, so the add is the rint, and its low byte is x̂'s byte). Two instructions; until session 22 the spec
+// divided (x/δ), which took an FMA, an error check and a rare exact pass.
 constexpr float kMagic = 12582912.f;  // 1.5·2^23
-__device__ __forceinline__ uint32_t quantized_bits_fast(float x, float inv, bool& suspicious) {
-  const float y = __fmaf_rn(x, inv, kMagic);  // M + rint(x·inv): the sum's ulp is 1
-  const float e = __fmaf_rn(x, inv, -(y - kMagic));
-  suspicious |= !(fabsf(e) < 0.49998f);
-  return __float_as_uint(y);
-}
-__device__ __forceinline__ uint32_t quantized_bits_exact(float x, float delta) {
-  return __float_as_uint(kMagic + rintf(__fdiv_rn(x, delta)));
+__device__ __forceinline__ uint32_t quantized_bits(float x, float inv) {
+  return __float_as_uint(__fadd_rn(__fmul_rn(x, inv), kMagic));
 }
 
 // Four M + x̂ bit patterns → four int8 bytes (the first in the lowest byte).
@@ -741,25 +733,23 @@ __device__ __forceinline__ void rope_quantize_q(uint32_t sQ, float* q_scale_smem
     }
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
-  float delta = __fdiv_rn(fmaxf(amax, 1.17549435e-38f), 127.f);
+  // δ ≥ the smallest normal float, so 1/δ is finite (an all-zero row quantizes to 0)
+  float delta = fmaxf(__fdiv_rn(amax, 127.f), 1.17549435e-38f);
   delta = __int_as_float((__float_as_int(delta) + 3) & -4);  // spec.fma_friendly
   const float inv = __frcp_rn(delta);
   uint32_t w[kChunks][4];  // per chunk: x₁'s eight bytes, then x₂'s
-  bool suspicious = false;
-  const auto quantize = [&](auto bits_of) {
+  if (in_range) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const float* a = &r1[c][4 * i];
         const float* b = &r2[c][4 * i];
-        w[c][i] = pack_low_bytes(bits_of(a[0]), bits_of(a[1]), bits_of(a[2]), bits_of(a[3]));
-        w[c][2 + i] = pack_low_bytes(bits_of(b[0]), bits_of(b[1]), bits_of(b[2]), bits_of(b[3]));
+        w[c][i] = pack_low_bytes(quantized_bits(a[0], inv), quantized_bits(a[1], inv), quantized_bits(a[2], inv),
+                                 quantized_bits(a[3], inv));
+        w[c][2 + i] = pack_low_bytes(quantized_bits(b[0], inv), quantized_bits(b[1], inv),
+                                     quantized_bits(b[2], inv), quantized_bits(b[3], inv));
       }
-  };
-  if (in_range) {
-    quantize([&](float x) { return quantized_bits_fast(x, inv, suspicious); });
-    if (suspicious) quantize([&](float x) { return quantized_bits_exact(x, delta); });  // rare: see quantized_bits_fast
   }
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {

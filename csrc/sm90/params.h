@@ -54,8 +54,8 @@ struct Params {
   // (3-D: key, head, batch).
   // Q's rotary and quantization in the one-warpgroup kernel's prologue (xq non-null; launch_1wg_rope_q): instead of
   // q / q_scale the CTA reads raw Q and the four rotary tables (sage_compile/prep.py's rope(x) = cat(x₁·c₁ − x₂·s₁,
-  // x₂·c₂ + x₁·s₂), no FMA), quantizes each row per token as prep's rope_quantize does (δ = fma_friendly(max(amax,
-  // tiny)/127), x̂ = rint(x/δ) with IEEE division) into its Q tile, and keeps δ·q_out_scale per row in shared memory.
+  // x₂·c₂ + x₁·s₂), no FMA), quantizes each row per token as prep's rope_quantize does (δ = fma_friendly(max(amax/127,
+  // tiny)), x̂ = rint(x·(1/δ)), spec.quantize_symmetric) into its Q tile, and keeps δ·q_out_scale per row in shared memory.
   // Head dim unpadded (D = head_dim_padded); last dims contiguous; rows 16-byte aligned (sm90.py checks).
   const void* xq;          // [B, Hq, Nq, D] bf16 (xq_fp16 = 0) or fp16
   int64_t xq_sb, xq_sh, xq_sn;

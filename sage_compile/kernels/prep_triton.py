@@ -2,10 +2,10 @@
 (x₁, x₂), then either per-channel partial sums (for μK) or per-token int8 quantization.
 
 Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
-order, products as mul.rn (never contracted into an FMA), IEEE division (div.rn) for δ, and x̂ = rint(x/δ) (round
-half to even) — taken from one FMA with 1/δ wherever that provably equals the division (``_quantized_int8``). Launched through torch.library.wrap_triton (Inductor then launches them from its generated
-code). Programs are ordered heads-fastest, so the programs in flight together read whole token rows of a
-[B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
+order, products rounded once (as mul.rn, or exact inside an FMA), IEEE division (div.rn) for δ and 1/δ, and
+x̂ = rint(x·(1/δ)) (round half to even, ``_quantized_int8``). Launched through torch.library.wrap_triton (Inductor
+then launches them from its generated code). Programs are ordered heads-fastest, so the programs in flight together
+read whole token rows of a [B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
 # Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
 # tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_*_s17.json): ~16 elements per thread.
-# Per-token quantize: 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8: 1.57-1.65×), on 4 at D=64
-# (1.21-1.33×). The head-dim choices are comparisons: under dynamic shapes D can still be a SymInt at launch.
-QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_WARPS_D64 = 32, 8, 4
+# Per-token quantize: until session 22, 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8:
+# 1.57-1.65×), on 4 at D=64 (1.21-1.33×). Session 22, after the spec's quantization became a mul and an add (tools/ab/prep_kernels.py --sweep, H100 and H200,
+# 4K and 16K tokens, D=128 and 64; docs/results/prep_sweep_*_s22.json): 4 warps at both head dims (K with μ at D=128:
+# H100 37.5-38.8 µs against 38.9-40.4 on 8, H200 30.6-31.6 against 34.7-35.5), and per-token tiles two to a program
+# (H100 37.2-38.3, H200 28.7-29.5); per_thread tiles stay one to a program (two: up to +12% on the H200).
+QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_TILES = 32, 4, 2
 # per_thread K: a tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS), on the per-token tile's
 # warps. (Sessions 15-17 tiled a whole key block, 16 warps at D=128 and 8 at D=64 — 32 elements per thread, the
 # groups' maxima reduced across warps: 1.73-1.80× its floor at D=128, docs/results/prep_kernels_ab_d128_sweep_h100_s17.json.)
@@ -43,9 +46,10 @@ AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K tokens
 # (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
-# V quantize (the second pass: e4m3, transposed store) on 4 warps, 32 tokens at D=128 and 64 at D=64: 1.14-1.16× its
-# floor (the old 64 on 8 warps: 1.18-1.20×; same sweep)
-V_BLOCK_N, V_BLOCK_N_D64, V_WARPS = 32, 64, 4
+# V quantize (the second pass: e4m3, transposed store): until session 22 on 4 warps, 32 tokens at D=128 and 64 at D=64
+# (1.14-1.16× its floor; same sweep as session 17's). Session 22 (the sweep above): 64 tokens on 8 warps at both head
+# dims (H200 26.6-26.8 µs against 27.2-27.5; H100 35.7-36.5 against 36.3-36.6).
+V_BLOCK_N, V_WARPS = 64, 8
 
 
 @triton.jit
@@ -64,29 +68,29 @@ def _mul_rn(a, b):
                                      dtype=tl.float32, is_pure=True, pack=1)
 
 
-# x̂ = rint(x/δ) (IEEE division, round half to even) as the bits of M + x̂ (M = 1.5·2^23; the low byte is x̂'s int8),
-# paying the division only where it could differ from one FMA. y = fma(x, inv, M) with inv = 1/δ rounded is M + rint(x·inv);
-# x·inv is within 2^-24·128 < 7.7e-6 of x/δ and the division rounds x/δ by at most 3.9e-6 (half an ulp below 128),
-# so rint of both agree unless x·inv lies within 1.2e-5 of a half-integer. e = x·inv − (y − M) flags that from 2e-5
-# (|e| ≥ 0.49998, or NaN: a subnormal δ, whose inverse overflows), and only then is the division done. |x̂| ≤ 127 with
-# no clamp: |x| ≤ amax and δ ≥ amax/127 (spec.fma_friendly rounds δ up). The same algebra as the sm90 kernel's
-# quantized_bits_fast/_exact (csrc/sm90/kernel.cuh). Per element: 6 SASS instructions instead of ~14 (division, rint,
-# clamp, convert); measured on the H100 (session 17, tools/ab/prep_kernels.py, bit-equal), this alone at the old
-# 64-token tiles: the quantize kernels 5-10% faster at D=128, 15-24% at D=64.
+# x̂ = rint(x·inv) (spec.quantize_symmetric: inv = 1/δ rounded, the product rounded, then round half to even) as the
+# bits of M + x̂ (M = 1.5·2^23: the sum's ulp is 1, so the add is the rint, and the low byte is x̂'s int8). |x̂| ≤ 127
+# with no clamp: |x| ≤ amax and δ ≥ amax/127 (spec.fma_friendly rounds δ up), so |x·inv| ≤ 127·(1 + 2^-23). Two SASS
+# instructions per element (until session 22 the spec divided, and this took 6 with a vote and a rare division:
+# the quantize kernels are issue-bound, docs/notes.md session 22).
 @triton.jit
-def _quantized_int8(x, inv, delta):
-    """int8 rint(x/δ) (spec.quantize_symmetric's x̂, |x| ≤ 127·δ) from inv = 1/δ (IEEE), as described above. One PTX
-    block per element; the vote makes the division's branch warp-uniform (taken when any lane needs it), and the
-    lanes that do not keep their FMA result. (Adjacent literals, not a module constant: Inductor copies this
-    function's source into its generated code, and a multi-line global string did not survive that.)"""
-    bits = tl.inline_asm_elementwise(
-        "{ .reg .f32 y, t, e; .reg .pred p, w; "
-        "fma.rn.f32 y, $1, $2, 0f4B400000; sub.rn.f32 t, y, 0f4B400000; neg.f32 t, t; fma.rn.f32 e, $1, $2, t; "
-        "abs.f32 e, e; setp.geu.f32 p, e, 0f3EFFFD61; vote.sync.any.pred w, p, 0xffffffff; @!w bra.uni DONE; "
-        "@p div.rn.f32 t, $1, $3; @p cvt.rni.f32.f32 t, t; @p add.rn.f32 y, t, 0f4B400000; DONE: mov.b32 $0, y; }",
-        "=r,f,f,f", [x, tl.broadcast_to(inv, x.shape), tl.broadcast_to(delta, x.shape)],
-        dtype=tl.int32, is_pure=True, pack=1)
-    return bits.to(tl.int8)
+def _quantized_int8(x, inv):
+    """int8 rint(x·inv): the product as mul.rn (never contracted into the add), the rint from adding M."""
+    return (_mul_rn(x, inv) + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
+def _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS: tl.constexpr):
+    """(x₁c₁ − x₂s₁, x₂c₂ + x₁s₂) with each product rounded once, as prep.rope_reference computes. EXACT_PRODUCTS (x
+    and the tables 16-bit floats): a product of two 8- or 11-bit significands is exact in fp32, so one product folds
+    into an FMA with the other — the same result in one instruction fewer."""
+    if EXACT_PRODUCTS:
+        r1 = tl.fma(x1, c1, -_mul_rn(x2, s1))
+        r2 = tl.fma(x2, c2, _mul_rn(x1, s2))
+    else:
+        r1 = _mul_rn(x1, c1) - _mul_rn(x2, s1)
+        r2 = _mul_rn(x2, c2) + _mul_rn(x1, s2)
+    return r1, r2
 
 
 @triton.jit
@@ -100,8 +104,8 @@ def _second_pass_program():
 def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
                c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
-               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr):
-    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each; with
+               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, EXACT_PRODUCTS: tl.constexpr):
+    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products); with
     SAME_HALVES (c₂ is c₁, s₂ is s₁: the half-table form) each table is read once."""
     r = rows[:, None]
     c = cols[None, :]
@@ -116,9 +120,7 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
     else:
         c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
-    r1 = _mul_rn(x1, c1) - _mul_rn(x2, s1)
-    r2 = _mul_rn(x2, c2) + _mul_rn(x1, s2)
-    return r1, r2
+    return _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS)
 
 
 @triton.jit
@@ -126,7 +128,8 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                      c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
                      out_ptr, H, N, TILES_PER_SPLIT, COUNT,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
+                     EXACT_PRODUCTS: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
@@ -149,7 +152,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
             mask = (rows < N)[:, None]
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
-                            SAME_HALVES)
+                            SAME_HALVES, EXACT_PRODUCTS)
         acc1 += r1
         acc2 += r2
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
@@ -163,13 +166,29 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                          SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax, tiny)/127), x̂ = rint(x/δ) clamped) and δ·OUT_SCALE
+                          SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
+                          EXACT_PRODUCTS: tl.constexpr, TILES: tl.constexpr = 1):
+    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
     (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
     groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4."""
-    bh, tile = _second_pass_program()
+    bh, tile_group = _second_pass_program()
     b = bh // H
     h = bh % H
+    for t in range(TILES):
+        _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, mean_ptr, out_ptr, scale_ptr,
+                            N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, SAME_HALVES, THREAD_GROUPS,
+                            OUT_SCALE, EXACT_PRODUCTS)
+
+
+@triton.jit
+def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
+                        c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                        mean_ptr, out_ptr, scale_ptr, N, bh, b, h, tile,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, SAME_HALVES: tl.constexpr,
+                        THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr):
+    """One tile of _rope_quantize_kernel (tiles past N store nothing)."""
     if THREAD_GROUPS:  # 8 runs of 4 adjacent keys: each key's row is contiguous, as in the per-token tiles
         i = tl.arange(0, BLOCK)
         rows = (tile // 4) * 128 + 16 * (i // 4) + 4 * (tile % 4) + i % 4
@@ -180,18 +199,19 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
     mask = row_ok[:, None]
     r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                         c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
-                            SAME_HALVES)
-    if HAS_MEAN:  # rows past N stay zero (not −μ): they must raise no per_thread group's amax
-        r1 = tl.where(mask, r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :], 0.0)
-        r2 = tl.where(mask, r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :], 0.0)
+                        SAME_HALVES, EXACT_PRODUCTS)
+    if HAS_MEAN:
+        r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
+        r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
-    if THREAD_GROUPS:  # rows past N are zeros: they raise no group's amax
-        amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(amax, axis=0)
-    delta = _div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full([BLOCK], 127.0, tl.float32))
+    if THREAD_GROUPS:  # rows past N (−μ where there is a mean; never stored) raise no group's amax
+        amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(row_ok, amax, 0.0), axis=0)
+    # δ ≥ the smallest normal float, so that 1/δ is finite (an all-zero row: x̂ = 0·inv = 0)
+    delta = tl.maximum(_div_rn(amax, tl.full([BLOCK], 127.0, tl.float32)), 1.1754943508222875e-38)
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
     inv = _div_rn(tl.full([BLOCK], 1.0, tl.float32), delta)
-    q1 = _quantized_int8(r1, inv[:, None], delta[:, None])
-    q2 = _quantized_int8(r2, inv[:, None], delta[:, None])
+    q1 = _quantized_int8(r1, inv[:, None])
+    q2 = _quantized_int8(r2, inv[:, None])
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
     tl.store(out, q1, mask=mask)
     tl.store(out + HALF, q2, mask=mask)
@@ -243,28 +263,38 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
 
 @triton.jit
 def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, H, N, N_PAD,
-                       D: tl.constexpr, BLOCK: tl.constexpr):
-    """V̂ᵀ[bh, :, tokens] = e4m3(clamp(v/δV, ±448)) for one tile of tokens, stored transposed, with
-    δV = max(amax, tiny)/448 (IEEE division: torch's CUDA division by a scalar multiplies by its reciprocal);
-    tile 0 stores δV. Tokens in [N, N_PAD) are written as zeros (spec.prepare_v's padding to 16 keys)."""
-    bh, tile = _second_pass_program()
+                       D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr = 1):
+    """V̂ᵀ[bh, :, tokens] = e4m3(clamp(v·(1/δV), ±448)) for TILES tiles of tokens, stored transposed, with
+    δV = max(amax/448, tiny) (spec.prepare_v; IEEE divisions, the product rounded once); tile 0 stores δV. Tokens
+    in [N, N_PAD) are written as zeros (spec.prepare_v's padding to 16 keys)."""
+    bh, tile_group = _second_pass_program()
     b = bh // H
     h = bh % H
-    rows = tile * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
-                mask=(rows < N)[:, None], other=0.0).to(tl.float32)
     amax = tl.load(amax_ptr + bh * D + cols)
-    delta = _div_rn(tl.maximum(amax, 1.1754943508222875e-38), tl.full([D], 448.0, tl.float32))
-    if tile == 0:
+    delta = tl.maximum(_div_rn(amax, tl.full([D], 448.0, tl.float32)), 1.1754943508222875e-38)  # 1/δV finite
+    if tile_group == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
-    y = _div_rn(x, delta[None, :])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None], y, mask=(rows < N_PAD)[:, None])
+    inv = _div_rn(tl.full([D], 1.0, tl.float32), delta)
+    for t in range(TILES):
+        rows = (tile_group * TILES + t) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
+                    mask=(rows < N)[:, None], other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(_mul_rn(x, inv[None, :]), -448.0), 448.0)
+        tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None],
+                 y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])
 
 
 def _x_args(x: torch.Tensor) -> list:
     return [x, *x.stride()]
+
+
+_HALF_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def _exact_products(x: torch.Tensor, table_args: list) -> bool:
+    """x and the four rope tables (every fifth of table_args) are 16-bit floats: their products are exact in fp32."""
+    return x.dtype in _HALF_FLOATS and all(t.dtype in _HALF_FLOATS for t in table_args[::5])
 
 
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: Optional[int] = None,
@@ -278,7 +308,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
         *_x_args(x), *table_args, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
-        SAME_HALVES=same_halves, SAMPLED=sample > 0, num_warps=warps)
+        SAME_HALVES=same_halves, SAMPLED=sample > 0, EXACT_PRODUCTS=_exact_products(x, table_args), num_warps=warps)
     return partial
 
 
@@ -294,22 +324,27 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
-                         block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False) -> None:
+                         block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False,
+                         tiles_per_program: Optional[int] = None) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
-    groups, a tile each; block is then ignored). block and warps: the measured defaults above by head dim, unless given."""
+    groups, a tile each; block is then ignored). block, warps and tiles_per_program: the measured defaults above,
+    unless given."""
     batch, heads, n, d = x.shape
-    warps = warps or (QUANTIZE_WARPS_D64 if d <= 64 else QUANTIZE_WARPS)
+    warps = warps or QUANTIZE_WARPS
     if thread_groups:  # one tile per key group
         block = THREAD_GROUP_TILE
         tiles = triton.cdiv(n, THREAD_GROUP_KEYS) * THREAD_GROUPS_PER_BLOCK
+        tiles_per_program = tiles_per_program or 1
     else:
         block = block or QUANTIZE_BLOCK_N
         tiles = triton.cdiv(n, block)
+        tiles_per_program = tiles_per_program or QUANTIZE_TILES
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
-    wrap_triton(_rope_quantize_kernel)[(batch * heads, tiles)](
+    wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(tiles, tiles_per_program))](
         *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
         HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
-        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), num_warps=warps)
+        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), EXACT_PRODUCTS=_exact_products(x, table_args),
+        TILES=tiles_per_program, num_warps=warps)
 
 
 def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,
@@ -326,12 +361,12 @@ def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILE
 
 
 def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, v_t: torch.Tensor,
-                      block: Optional[int] = None, warps: int = V_WARPS) -> None:
+                      block: Optional[int] = None, warps: int = V_WARPS, tiles_per_program: int = 1) -> None:
     """v_t [B,H,D,N_pad] e4m3 ← v [B,H,N,D] / δV, transposed, and δV [B·H, D] from the channel amax [B·H, D]
     (a second pass over v, run backwards)."""
     batch, heads, n, d = v.shape
     n_pad = v_t.shape[-1]
-    block = block or (V_BLOCK_N_D64 if d <= 64 else V_BLOCK_N)
-    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, block))](
-        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, num_warps=warps)
+    block = block or V_BLOCK_N
+    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(triton.cdiv(n_pad, block), tiles_per_program))](
+        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, TILES=tiles_per_program, num_warps=warps)
 

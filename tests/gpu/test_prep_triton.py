@@ -48,7 +48,7 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     x = _layout_x(batch, heads, n, d, g, layout)
     tables = _tables(batch, heads, n, d, g, kind)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
-    if with_mean and n == 1:  # μ = the only token: an all-zero row, whose δ = tiny/127 is subnormal; keys past
+    if with_mean and n == 1:  # μ = the only token: an all-zero row, whose δ is the smallest normal; keys past
         mean = prep.rope_reference(x, tables).float().contiguous()  # N must not lift its per_thread group (−μ)
     x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups)
     ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125,
@@ -59,12 +59,12 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
 
 
 @pytest.mark.parametrize("thread_groups", [False, True])
-def test_rope_quantize_rounds_ties_and_near_ties_like_the_division(thread_groups):
-    """The quantize kernels take x̂ from one FMA with 1/δ and divide only where x·(1/δ) lies near a half-integer
-    (prep_triton._quantized_int8). fp32 x through an identity rotary, rows by index mod 3: exact ties under δ = 1
-    (x = k + ½, amax 127); exact ties under δ = 3, whose inverse is inexact (x = 3(k + ½), amax 381: x·(1/δ) lands
-    a hair off the tie); one fp32 step either side of those; and an all-zero row (subnormal δ: 1/δ overflows).
-    Every byte and scale must be the reference's (IEEE division, round half to even)."""
+def test_rope_quantize_rounds_ties_and_near_ties_like_the_reference(thread_groups):
+    """The quantize kernels take x̂ = rint(x·(1/δ)) from a mul and an add of 1.5·2²³ (prep_triton._quantized_int8).
+    fp32 x through an identity rotary, rows by index mod 3: exact ties under δ = 1 (x = k + ½, amax 127: 1/δ exact);
+    near ties under δ = 3, whose inverse is inexact (x = 3(k + ½), amax 381: x·(1/δ) lands on or a hair off the tie);
+    one fp32 step either side of those; and an all-zero row (δ = the smallest normal float, 1/δ = 2¹²⁶ finite).
+    Every byte and scale must be the reference's (spec.quantize_symmetric on the CPU)."""
     g = torch.Generator(device=DEV).manual_seed(7)
     n, d = 256, 128
     k = torch.randint(-126, 126, (n, d), generator=g, device=DEV).double()
@@ -82,8 +82,11 @@ def test_rope_quantize_rounds_ties_and_near_ties_like_the_division(thread_groups
     ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None, 1.0, thread_groups)
     assert torch.equal(x8.cpu(), ref8), (x8.cpu().int() - ref8.int()).abs().max()
     assert torch.equal(scale.cpu(), ref_scale)
-    if not thread_groups:  # the ties were ties: every one rounded to an even k
-        assert (ref8[0, 0, (group[:, 0] < 2).cpu() & (torch.arange(n) != 5), 1:].int() % 2 == 0).all()
+    if not thread_groups:  # the ties under δ = 1 were ties: every one rounded to an even k
+        assert (ref8[0, 0, (group[:, 0] == 0).cpu() & (torch.arange(n) != 5), 1:].int() % 2 == 0).all()
+    assert (x8[0, 0, 5] == 0).all()  # 0·(1/δ) = 0, whatever the group's δ
+    if not thread_groups:  # its own δ: the smallest normal float, whose inverse 2¹²⁶ is finite
+        assert scale[0, 0, 5].item() == torch.finfo(torch.float32).tiny
 
 
 @settings(max_examples=12, deadline=None)
@@ -137,7 +140,7 @@ def test_v_quantize_equals_spec(batch, heads, n, d, layout, dtype, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     v = _layout_x(batch, heads, n, d, g, layout).to(torch.float16 if dtype == "fp16" else torch.bfloat16)
     v[..., 0, :] *= 40  # one outlier token sets δV of every channel
-    v[..., 1] = 0  # an all-zero channel: δV = tiny/448 is subnormal (flushed to zero it made 0/0 = NaN)
+    v[..., 1] = 0  # an all-zero channel: δV = the smallest normal float, so 1/δV is finite (0·1/δV = 0)
     v_t, v_scale, v_mean = prep.prepare_v(v, spec.Quantization())
     ref_t, ref_scale, _ = spec.prepare_v(v.cpu(), spec.Quantization())
     assert v_mean is None and v_t.dtype == torch.float8_e4m3fn and v_t.shape == ref_t.shape and v_t.is_contiguous()

@@ -109,7 +109,7 @@ def kernel_rows(old, x, v, tables, reps):
         f_new, o_new = quantize(new, with_mean, groups, out_scale)
         equal = all(torch.equal(a, b) for a, b in zip(o_old, o_new))
         rows.append(dict(kernel=name, old_ms=graph_ms(f_old, reps), new_ms=graph_ms(f_new, reps), floor_ms=floor_q,
-                         equal=equal))
+                         equal=equal, bytes_differ=int((o_old[0] != o_new[0]).sum())))
     s_old = old.rope_partial_sums(x, args, True)
     s_new = new.rope_partial_sums(x, args, True)
     m_old, m_new = old.reduce_splits(s_old, n), new.reduce_splits(s_new, n)
@@ -131,6 +131,18 @@ def kernel_rows(old, x, v, tables, reps):
     rows.append(dict(kernel="V amax partials", old_ms=graph_ms(lambda: old.absmax_partials(v), reps),
                      new_ms=graph_ms(lambda: new.absmax_partials(v), reps), floor_ms=floor_read,
                      equal=torch.equal(a_old, a_new)))
+    v_amax = new.reduce_splits(new.absmax_partials(v))
+    v_outs = {}
+    for label, module in (("old", old), ("new", new)):
+        delta = torch.empty(batch * heads, d, device="cuda")
+        v_t = torch.empty(batch, heads, d, (n + 15) // 16 * 16, dtype=torch.float8_e4m3fn, device="cuda")
+        v_outs[label] = (lambda module=module, delta=delta, v_t=v_t: module.launch_v_quantize(v, v_amax, delta, v_t),
+                         v_t, delta)
+        v_outs[label][0]()
+    v_differ = int((v_outs["old"][1].view(torch.uint8) != v_outs["new"][1].view(torch.uint8)).sum())
+    rows.append(dict(kernel="V quantize (e4m3, transposed)", old_ms=graph_ms(v_outs["old"][0], reps),
+                     new_ms=graph_ms(v_outs["new"][0], reps), floor_ms=x.numel() * 3 / BANDWIDTH * 1e3,
+                     equal=v_differ == 0 and torch.equal(v_outs["old"][2], v_outs["new"][2]), bytes_differ=v_differ))
     # the whole prep, μK over all keys and from the sample (a module from before session 18 has no sample: μK over all
     # keys there)
     for granularity, k_mean_sample in itertools.product(("per_token", "per_thread"), (0, sample)):
@@ -215,11 +227,12 @@ def quantize_sweep_rows(x, tables, reps):
     scales = torch.empty(batch, heads, n, device="cuda")
     floor_q = (x.numel() * 3 + batch * heads * n * 4) / BANDWIDTH * 1e3
     rows = []
-    for groups, block, warps in [*((False, b, w) for b, w in itertools.product((32, 64, 128), (4, 8, 16))),
-                                 *((True, 32, w) for w in (2, 4, 8, 16))]:  # per_thread: a 32-key group a tile
+    for (groups, block, warps), tiles in itertools.product(
+            [*((False, b, w) for b, w in itertools.product((32, 64), (4, 8, 16))),
+             *((True, 32, w) for w in (4, 8))], (1, 2, 4)):  # per_thread: a 32-key group a tile
         ms = graph_ms(lambda: new.launch_rope_quantize(x, args, True, mean, x8, scales, block=block, warps=warps,
-                                                       thread_groups=groups), reps)
-        rows.append(dict(per_thread=groups, block=block, warps=warps, ms=ms, floor_ms=floor_q))
+                                                       thread_groups=groups, tiles_per_program=tiles), reps)
+        rows.append(dict(per_thread=groups, block=block, warps=warps, tiles=tiles, ms=ms, floor_ms=floor_q))
     return rows
 
 
@@ -231,9 +244,9 @@ def v_sweep_rows(v, reps):
     v_t = torch.empty(batch, heads, d, (n + 15) // 16 * 16, dtype=torch.float8_e4m3fn, device="cuda")
     floor_vq = v.numel() * 3 / BANDWIDTH * 1e3
     rows = []
-    for block, warps in itertools.product((32, 64, 128), (4, 8, 16)):
-        ms = graph_ms(lambda: new.launch_v_quantize(v, amax, delta, v_t, block, warps), reps)
-        rows.append(dict(block=block, warps=warps, ms=ms, floor_ms=floor_vq))
+    for block, warps, tiles in itertools.product((32, 64), (4, 8), (1, 2, 4)):
+        ms = graph_ms(lambda: new.launch_v_quantize(v, amax, delta, v_t, block, warps, tiles), reps)
+        rows.append(dict(block=block, warps=warps, tiles=tiles, ms=ms, floor_ms=floor_vq))
     return rows
 
 
@@ -269,6 +282,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also sweep the new kernels' tiles and warps")
     ap.add_argument("--cold-sweep", action="store_true",
                     help="only sweep μK's sampled sums and δV's amax (tiles, warps), their input cold and warm in L2")
+    ap.add_argument("--sweep-only", default="sum,sampled,quantize,v",
+                    help="with --sweep: which of the sweeps to run (sum, sampled, quantize, v)")
     ap.add_argument("--compiled", action="store_true",
                     help="also e2e_bench's compiled prep_fused (bf16 tables, dynamic shapes) with either module")
     a = ap.parse_args()
@@ -284,15 +299,21 @@ def main():
         else:
             shape = dict(n=n, d=d, batch=x.shape[0], heads=x.shape[1], tables=tdt, kernels=kernel_rows(old, x, v, tables, a.reps))
         if a.sweep and not a.cold_sweep and tdt == a.tables.split(",")[0]:
-            shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
-            shape["sampled_sum_sweep"] = sampled_sum_sweep_rows(x, tables, 1)
-            shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
-            shape["v_sweep"] = v_sweep_rows(v, 1)
+            only = a.sweep_only.split(",")
+            if "sum" in only:
+                shape["sum_sweep"] = sweep_rows(x, v, tables, 1)
+            if "sampled" in only:
+                shape["sampled_sum_sweep"] = sampled_sum_sweep_rows(x, tables, 1)
+            if "quantize" in only:
+                shape["quantize_sweep"] = quantize_sweep_rows(x, tables, 1)
+            if "v" in only:
+                shape["v_sweep"] = v_sweep_rows(v, 1)
         result["shapes"].append(shape)
         print(f"N={n} D={d} tables {tdt}", flush=True)
         for r in shape["kernels"]:
             print(f"  {r['kernel']:30s} old {r['old_ms']:.4f} new {r['new_ms']:.4f} ms ({r['new_ms'] / r['old_ms'] - 1:+.1%}; "
-                  f"{r['old_ms'] / r['floor_ms']:.2f}x -> {r['new_ms'] / r['floor_ms']:.2f}x floor) equal {r['equal']}", flush=True)
+                  f"{r['old_ms'] / r['floor_ms']:.2f}x -> {r['new_ms'] / r['floor_ms']:.2f}x floor) equal {r['equal']}"
+                  + (f" ({r['bytes_differ']} bytes differ)" if r.get("bytes_differ") else ""), flush=True)
         for r in sorted(shape.get("sampled_sum_sweep", []), key=lambda r: r["cold_mean_us"]):
             print(f"  sampled sums + their reduction, block {r['block']} tiles {r['tiles']} warps {r['warps']}: "
                   f"cold {r['cold_mean_us']:.1f} µs of kernels, warm {r['mean_ms'] * 1e3:.1f} µs a graph", flush=True)
@@ -303,10 +324,12 @@ def main():
             print(f"  sweep block {r['block']} tiles {r['tiles']} warps {r['warps']}: sum {r['sum_ms']:.4f} amax {r['amax_ms']:.4f} "
                   f"({r['sum_ms'] / r['floor_ms']:.2f}x / {r['amax_ms'] / r['floor_ms']:.2f}x floor)", flush=True)
         for r in shape.get("quantize_sweep", []):
-            print(f"  quantize {'per_thread' if r['per_thread'] else 'per-token'} block {r['block']} warps {r['warps']}: "
+            print(f"  quantize {'per_thread' if r['per_thread'] else 'per-token'} block {r['block']} warps {r['warps']} "
+                  f"tiles {r['tiles']}: "
                   f"{r['ms']:.4f} ms ({r['ms'] / r['floor_ms']:.2f}x floor)", flush=True)
         for r in shape.get("v_sweep", []):
-            print(f"  v quantize block {r['block']} warps {r['warps']}: {r['ms']:.4f} ms ({r['ms'] / r['floor_ms']:.2f}x floor)",
+            print(f"  v quantize block {r['block']} warps {r['warps']} tiles {r['tiles']}: {r['ms']:.4f} ms "
+                  f"({r['ms'] / r['floor_ms']:.2f}x floor)",
                   flush=True)
     if a.compiled:
         result["compiled"] = compiled_rows(old, a.reps)
