@@ -10,7 +10,8 @@ prep): the thresholds would otherwise keep those sites on SDPA.
 prologue instead of the prep's own kernel; opt-in), compiled and called with that setting — and pt then runs under
 SAGE_Q_PROLOGUE=0 through the same wrapper, so both columns pay its few µs of host time per call.
 
-Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; TOPS = 4·B·H·N²·D / time
+Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets (``--rounds R``: each row's columns timed R
+times, interleaved, and the median of those kept); TOPS = 4·B·H·N²·D / time
 (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64. Writes $OUT/e2e_bench.json (or
 docs/results/e2e_bench.json); prints a table last.
 """
@@ -20,6 +21,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 
 if __package__ in (None, ""):
@@ -169,6 +171,9 @@ def _main(argv=None):
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--pv", default="fp8", choices=["fp8", "fp16"], help="SageConfig.pv of every sage column")
     ap.add_argument("--q-prologue-ab", action="store_true", help="add pt with SAGE_Q_PROLOGUE=1 (column pt_q1)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the columns of a row this many times, interleaved, and keep each column's median (the "
+                         "GPU's clock drifts over a run: one pass per column put ±3-5%% on a ratio, session 22)")
     opts = ap.parse_args(argv)
     ns = [int(x) for x in opts.n.split(",")]
     import triton
@@ -214,12 +219,18 @@ def _main(argv=None):
                 sets = [make_inputs(batch, n, heads, d, seed) for seed in range(N_SETS)]
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
-                for name, fn in (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
-                                 ("sage_pt", sage_pt), *extra, ("prep", prep), ("prep_fused", fused),
-                                 ("rope", ropes)):
-                    with torch.no_grad():
-                        fn(*sets[0])
-                        row[f"{name}_ms"] = _bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets]))
+                columns = (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
+                           ("sage_pt", sage_pt), *extra, ("prep", prep), ("prep_fused", fused), ("rope", ropes))
+                timings = {name: [] for name, _ in columns}
+                for _ in range(opts.rounds):
+                    for name, fn in columns:
+                        with torch.no_grad():
+                            fn(*sets[0])
+                            timings[name].append(_bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets])))
+                for name, values in timings.items():
+                    row[f"{name}_ms"] = statistics.median(values)
+                    if opts.rounds > 1:
+                        row[f"{name}_ms_rounds"] = values
                 for name, fn in (("prep", prep), ("prep_fused", fused), ("rope", ropes)):  # GPU time alone
                     with torch.no_grad():
                         row[f"{name}_graph_ms"] = _graph_ms(lambda f=fn: f(*sets[0]))
