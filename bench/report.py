@@ -436,6 +436,28 @@ def _session21() -> list:
     return lines
 
 
+def _session22() -> list:
+    """Session 22: the spec's quantization as a product with the rounded reciprocal (the prep's kernels were
+    issue-bound), end to end with interleaved rounds."""
+    lines = []
+    for name, title in (("e2e_bench_d128_h200_s22.json", "End to end, D=128, session 22 (quantize by 1/δ; 2 rounds)"),
+                        ("e2e_bench_d64_h200_s22.json", "End to end, D=64, session 22 (2 rounds)"),
+                        ("e2e_bench_d128_4k_h100_s22.json", "End to end, D=128 4K, session 22 (3 rounds)")):
+        e2e = _load(name)
+        if e2e:
+            lines += _e2e_table(e2e, title) + [f"Source: `{name}`. Device calls: `gpu_runs_s22.md`.", ""]
+    reads = _load("read_layout_h200_s22.json")
+    if reads:
+        lines += [f"## A pure read of V by layout — {reads['device']}, torch {reads['torch']} (session 22)", "",
+                  f"`tools/ab/read_layout.py`: {reads['megabytes']:.0f} MB of bf16 V (B·N = 16K tokens, H={reads['heads']}, "
+                  f"D={reads['d']}), GPU time cold in L2 and warm.", "",
+                  "| case | cold µs | TB/s | warm µs | TB/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['cold_us']:.1f} | {r['cold_tbs']:.2f} | {r['warm_us']:.1f} | {r['warm_tbs']:.2f} |"
+                  for r in reads["rows"]]
+        lines.append("")
+    return lines
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -530,6 +552,7 @@ def main() -> int:
     lines += _session18_prep()
     lines += _session19_prep()
     lines += _session21()
+    lines += _session22()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
