@@ -92,11 +92,10 @@ def main():
              dict(base, BLOCK=pt.QUANTIZE_BLOCK_N, HAS_MEAN=True, THREAD_GROUPS=False, TILES=tiles), pt.QUANTIZE_WARPS),
             ("K quantize (per_thread, μ)", pt._rope_quantize_kernel, quantize,
              dict(base, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles), pt.QUANTIZE_WARPS),
-            ("V quantize", pt._v_quantize_kernel, v, dict(D=d, BLOCK=pt.V_BLOCK_N, TILES=tiles), pt.V_WARPS),
         ]
-        if tiles == 1:
-            cases.append(("V amax partials", pt._absmax_sum_kernel, amax, dict(D=d, BLOCK=pt.SUM_BLOCK_N),
-                          pt.AMAX_WARPS))
+        if tiles == 1:  # one tile a program only
+            cases += [("V quantize", pt._v_quantize_kernel, v, dict(D=d, BLOCK=pt.V_BLOCK_N), pt.V_WARPS),
+                      ("V amax partials", pt._absmax_sum_kernel, amax, dict(D=d, BLOCK=pt.SUM_BLOCK_N), pt.AMAX_WARPS)]
         for label, fn, args, constexprs, warps in cases:
             print(f"{label}, tiles {tiles}, {warps} warps: {summary(compile_sm90(fn, args, constexprs, warps))}",
                   flush=True)

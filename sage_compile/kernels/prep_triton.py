@@ -22,8 +22,8 @@ from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 # Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
 # tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_*_s17.json): ~16 elements per thread.
 # Per-token quantize: until session 22, 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8:
-# 1.57-1.65×), on 4 at D=64 (1.21-1.33×). Session 22, after the spec's quantization became a mul and an add (tools/ab/prep_kernels.py --sweep, H100 and H200,
-# 4K and 16K tokens, D=128 and 64; docs/results/prep_sweep_*_s22.json): 4 warps at both head dims (K with μ at D=128:
+# 1.57-1.65×), on 4 at D=64 (1.21-1.33×). Session 22, after the spec's quantization became a mul and an add
+# (tools/ab/prep_kernels.py --sweep, H100 and H200, 4K and 16K tokens, D=128 and 64; docs/results/prep_sweep_*_s22.json): 4 warps at both head dims (K with μ at D=128:
 # H100 37.5-38.8 µs against 38.9-40.4 on 8, H200 30.6-31.6 against 34.7-35.5), and per-token tiles two to a program
 # (H100 37.2-38.3, H200 28.7-29.5); per_thread tiles stay one to a program (two: up to +12% on the H200).
 QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_TILES = 32, 4, 2
@@ -48,7 +48,8 @@ AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
 # V quantize (the second pass: e4m3, transposed store): until session 22 on 4 warps, 32 tokens at D=128 and 64 at D=64
 # (1.14-1.16× its floor; same sweep as session 17's). Session 22 (the sweep above): 64 tokens on 8 warps at both head
-# dims (H200 26.6-26.8 µs against 27.2-27.5; H100 35.7-36.5 against 36.3-36.6).
+# dims (H200 26.6-26.8 µs against 27.2-27.5; H100 35.7-36.5 against 36.3-36.6). Two or four tiles a program were
+# never faster for V (H200 +1 to +12%, H100 +1 to +20%), so its kernel does one.
 V_BLOCK_N, V_WARPS = 64, 8
 
 
@@ -263,26 +264,25 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
 
 @triton.jit
 def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, H, N, N_PAD,
-                       D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr = 1):
-    """V̂ᵀ[bh, :, tokens] = e4m3(clamp(v·(1/δV), ±448)) for TILES tiles of tokens, stored transposed, with
+                       D: tl.constexpr, BLOCK: tl.constexpr):
+    """V̂ᵀ[bh, :, tokens] = e4m3(clamp(v·(1/δV), ±448)) for one tile of tokens, stored transposed, with
     δV = max(amax/448, tiny) (spec.prepare_v; IEEE divisions, the product rounded once); tile 0 stores δV. Tokens
     in [N, N_PAD) are written as zeros (spec.prepare_v's padding to 16 keys)."""
-    bh, tile_group = _second_pass_program()
+    bh, tile = _second_pass_program()
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
     amax = tl.load(amax_ptr + bh * D + cols)
     delta = tl.maximum(_div_rn(amax, tl.full([D], 448.0, tl.float32)), 1.1754943508222875e-38)  # 1/δV finite
-    if tile_group == 0:
+    if tile == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
     inv = _div_rn(tl.full([D], 1.0, tl.float32), delta)
-    for t in range(TILES):
-        rows = (tile_group * TILES + t) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
-                    mask=(rows < N)[:, None], other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(_mul_rn(x, inv[None, :]), -448.0), 448.0)
-        tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None],
-                 y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
+                mask=(rows < N)[:, None], other=0.0).to(tl.float32)
+    y = tl.minimum(tl.maximum(_mul_rn(x, inv[None, :]), -448.0), 448.0)
+    tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None],
+             y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])
 
 
 def _x_args(x: torch.Tensor) -> list:
@@ -361,12 +361,12 @@ def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILE
 
 
 def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, v_t: torch.Tensor,
-                      block: Optional[int] = None, warps: int = V_WARPS, tiles_per_program: int = 1) -> None:
-    """v_t [B,H,D,N_pad] e4m3 ← v [B,H,N,D] / δV, transposed, and δV [B·H, D] from the channel amax [B·H, D]
+                      block: Optional[int] = None, warps: int = V_WARPS) -> None:
+    """v_t [B,H,D,N_pad] e4m3 ← v [B,H,N,D]·(1/δV), transposed, and δV [B·H, D] from the channel amax [B·H, D]
     (a second pass over v, run backwards)."""
     batch, heads, n, d = v.shape
     n_pad = v_t.shape[-1]
     block = block or V_BLOCK_N
-    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(triton.cdiv(n_pad, block), tiles_per_program))](
-        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, TILES=tiles_per_program, num_warps=warps)
+    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, block))](
+        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, num_warps=warps)
 

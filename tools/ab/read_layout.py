@@ -65,16 +65,16 @@ def main():
             return out
         return run
 
+    row_cases = [(f"rows {rows}x{cols} tiles {tiles} w{warps}", rows_kernel(rows, cols, tiles, warps), mb)
+                 for rows, cols, tiles, warps in ((4, 1024, 16, 4), (8, 1024, 8, 8), (4, 2048, 16, 8),
+                                                  (2, 2048, 32, 4), (16, 256, 16, 4))]
+    column_amax = bnhd.view(tokens, width).float().abs().amax(dim=0)
+    for name, fn, _ in row_cases:
+        assert torch.equal(fn().amax(dim=0), column_amax), name
     cases = [("copy (read + write)", lambda: copy_out.copy_(flat), 2 * mb),
              ("torch amax (contiguous)", lambda: torch.amax(flat), mb),
              ("partials bnhd (the prep)", lambda: prep_triton.absmax_partials(bnhd.transpose(1, 2)), mb),
-             ("partials bhnd (contiguous heads)", lambda: prep_triton.absmax_partials(bhnd), mb)]
-    for rows, cols, tiles, warps in ((4, 1024, 16, 4), (8, 1024, 8, 8), (4, 2048, 16, 8), (2, 2048, 32, 4),
-                                     (16, 256, 16, 4)):
-        cases.append((f"rows {rows}x{cols} tiles {tiles} w{warps}", rows_kernel(rows, cols, tiles, warps), mb))
-    column_amax = bnhd.view(tokens, width).float().abs().amax(dim=0)
-    for name, fn, _ in cases[4:]:
-        assert torch.equal(fn().amax(dim=0), column_amax), name
+             ("partials bhnd (contiguous heads)", lambda: prep_triton.absmax_partials(bhnd), mb), *row_cases]
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   n=a.n, batch=batch, heads=heads, d=d, megabytes=mb, rows=[])
     for name, fn, moved in cases:
