@@ -1,13 +1,14 @@
 """Whole models at real shapes (random init, nothing downloaded): torch.compile(backend="inductor") vs
 backend="sage" in one run — time per forward, output cosine vs eager bf16, attention's share of GPU time.
 
-    python -m bench.models [--models dit,llama8k,llama32k,vitl] [--layers 2]
+    python -m bench.models [--models dit,llama8k,llama32k,vitl] [--layers 2] [--rounds 1]
 
 Models: a Wan/Flux-style DiT stack (hidden 3072, head_dim 128, QK-RMSNorm, RoPE, 32K tokens); a
 Llama-3-8B-shaped decoder prefill (hidden 4096, GQA 32/8, head_dim 128, RoPE, causal, 8K and 32K tokens);
 a ViT-L (hidden 1024, 16 heads, 197 tokens, batch 32). A few layers each (--layers): per-layer cost is
-what matters. sage runs with its default, measured thresholds. Writes $OUT/models.json (or
-docs/results/models.json); prints a table last.
+what matters. sage runs with its default, measured thresholds. ``--rounds R`` times the three columns R times,
+interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Writes
+$OUT/models.json (or docs/results/models.json); prints a table last.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 
 if __package__ in (None, ""):
@@ -90,10 +92,24 @@ def attention_share(fn, x) -> float:
     return attn / total if total else float("nan")
 
 
+def _interleaved_ms(columns: dict, x, rounds: int) -> dict:
+    """{name}_ms: the median over `rounds` interleaved passes of each column's do_bench time (and, with rounds > 1,
+    every pass as {name}_ms_rounds)."""
+    times = {name: [] for name in columns}
+    for _ in range(rounds):
+        for name, fn in columns.items():
+            times[name].append(_bench_ms(functools.partial(fn, x)))
+    out = {f"{name}_ms": statistics.median(values) for name, values in times.items()}
+    if rounds > 1:
+        out.update({f"{name}_ms_rounds": values for name, values in times.items()})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="dit,llama8k,llama32k,vitl")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="time the columns this many times, interleaved; keep medians")
     opts = ap.parse_args(argv)
     import triton
 
@@ -101,7 +117,7 @@ def main(argv=None) -> int:
     from sage_compile.backend import collect_reports
 
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   layers=opts.layers, rows=[])
+                   layers=opts.layers, rounds=opts.rounds, rows=[])
     for name in opts.models.split(","):
         model, x, shape = build(name, opts.layers)
         with torch.no_grad():
@@ -118,8 +134,7 @@ def main(argv=None) -> int:
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
                        sites=sum(len(r.sites) for r in reports), rope_absorbed=absorbed,
-                       inductor_ms=_bench_ms(functools.partial(inductor, x)), sage_ms=_bench_ms(functools.partial(sage, x)),
-                       sage_pt_ms=_bench_ms(functools.partial(sage_pt, x)),
+                       **_interleaved_ms(dict(inductor=inductor, sage=sage, sage_pt=sage_pt), x, opts.rounds),
                        cos_sage=F.cosine_similarity(out.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_sage_pt=F.cosine_similarity(out_pt.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_inductor=F.cosine_similarity(inductor(x).float().flatten(), eager.flatten(), dim=0).item(),
