@@ -71,7 +71,9 @@ def test_thresholds_follow_the_k_granularity(monkeypatch):
         _, d, causal = key
         assert thresholds.min_seq_len(cuda, d, causal) == thresholds.MEASURED[key]
         assert thresholds.min_seq_len(cuda, d, causal, "per_thread") == thresholds.MEASURED_PER_THREAD_K[key]
-    assert thresholds.min_seq_len(cuda, 128, False, "per_thread") < thresholds.min_seq_len(cuda, 128, False)
+    # the faster instantiation never starts later, and its own table is the one read (it starts earlier somewhere)
+    assert all(thresholds.MEASURED_PER_THREAD_K[key] <= thresholds.MEASURED[key] for key in thresholds.MEASURED)
+    assert thresholds.min_seq_len(cuda, 128, True, "per_thread") < thresholds.min_seq_len(cuda, 128, True)
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, "per_thread") == 0
 
 
