@@ -458,6 +458,92 @@ def _session22() -> list:
     return lines
 
 
+def _session23() -> list:
+    """Session 23: the kernel and the models re-measured at the current code, thresholds at 4K, TMA reads for the prep."""
+    lines = []
+    kernel = _load("kernel_bench_h200_s23.json")
+    if kernel:
+        lines += _sm90_per_thread_table(kernel, "kernel_bench_h200_s23.json") + [
+            "", "Session 23, the current code. ANCHORS.md's peer (public SageAttention 2.2 sm90, same board type): D=128 "
+            "801 / 823 / 836 TOPS at 4K / 16K / 32K, causal 712 / 790 / 800, D=64 556 / 569 / 579. Issue 5's targets: "
+            "≥1000 (D=128, N ≥ 8K), ≥850 causal (N ≥ 16K), ≥700 (D=64).", ""]
+    for name, title in (("e2e_bench_4k_h200_s23.json", "End to end at 4K, D=128, session 23 (3 rounds)"),
+                        ("e2e_bench_4k_h100_s23.json", "End to end at 4K, session 23 (2 rounds)"),
+                        ("e2e_bench_d128_causal_4k_h100_s23.json", "End to end at 4K, D=128 causal, session 23 (4 rounds)")):
+        e2e = _load(name)
+        if e2e:
+            lines += _e2e_table(e2e, title) + [f"Source: `{name}`. Device calls: `gpu_runs_s23.md`.", ""]
+    for name in ("models_h200_s23.json", "models_h100_s23.json"):
+        models = _load(name)
+        if models:
+            lines += _models_table(models) + [f"Source: `{name}` (session 23).", ""]
+    if _plot_models([_load(n) for n in ("models_h100_s23.json", "models_h200_s23.json")],
+                    os.path.join(RESULTS, "models.png")):
+        lines += ["![Whole models: speed-up over backend=\"inductor\"](models.png)", "",
+                  "Models whose sites all stayed SDPA (ViT-L: 197 tokens, below every threshold) are left out of the "
+                  "plot: with every site kept SDPA the backend generates Inductor's code line for line (tested: "
+                  "tests/test_backend.py::test_sites_kept_sdpa_leave_inductors_generated_code_unchanged), so their "
+                  "ratio is run-to-run spread.",
+                  ""]
+    reads = _load("tma_read_h200_s23.json")
+    if reads:
+        best = {}
+        for r in reads["rows"]:
+            key = (r["n"], r["name"].startswith("tma"))
+            if r["equal"] and (key not in best or r["cold_us"] < best[key]["cold_us"]):
+                best[key] = r
+        lines += [f"## δV's amax partials by tensor map (TMA) — {reads['device']}, torch {reads['torch']} (session 23)", "",
+                  "`tools/ab/tma_read.py`: a pure read of V (64 MB bf16), prep_triton's per-thread loads against host "
+                  "tensor-descriptor loads pipelined by Triton (tile, tiles a split, warps, stages swept); best of each.",
+                  "", "| N | loads | config | cold µs | TB/s | warm µs | TB/s |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['n']} | {'TMA' if tma else 'per thread'} | {r['name']} | {r['cold_us']:.1f} | "
+                  f"{r['cold_tbs']:.2f} | {r['warm_us']:.1f} | {r['warm_tbs']:.2f} |" for (n, tma), r in sorted(best.items())]
+        lines.append("")
+    quant = _load("tma_prep_h200_s23.json")
+    if quant:
+        lines += [f"## The prep's quantize kernels by tensor map — {quant['device']}, torch {quant['torch']} (session 23)", "",
+                  "`tools/ab/tma_prep.py`: the same kernels with x / V loaded by TMA (outputs bit-equal to "
+                  "prep_triton's); GPU µs, warm (CUDA graph) and cold (L2 flushed). Not faster: not kept.", "",
+                  "| N | kernel | loads | equal | warm µs | cold µs |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['n']} | {r['kernel']} | {r['name']} | {r['equal']} | {r['warm_us']:.1f} | {r['cold_us']:.1f} |"
+                  for r in quant["rows"]]
+        lines.append("")
+    return lines
+
+
+def _plot_models(runs, path) -> bool:
+    """Bar chart: each model's speed-up over backend="inductor" (per-token and per_thread K) on each device; models
+    where no site was replaced (the thresholds kept SDPA: the same generated code as inductor) are left out."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    bars, labels = [], []
+    for run in runs:
+        short = run["device"].replace("NVIDIA ", "").split()[0]
+        for r in (r for r in run["rows"] if r["sites_replaced"]):
+            labels.append(f"{r['model']}\n{short}")
+            bars.append((r["speedup"], r.get("speedup_per_thread_k", float("nan"))))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage (per-token K, default)")
+    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage, k_granularity='per_thread'")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("speed-up over inductor")
+    ax.legend(loc="lower right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
 def _plot(kernel, e2e, path) -> bool:
     try:
         import matplotlib
@@ -553,6 +639,7 @@ def main() -> int:
     lines += _session19_prep()
     lines += _session21()
     lines += _session22()
+    lines += _session23()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [

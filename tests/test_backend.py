@@ -168,6 +168,33 @@ def test_inductor_generated_code_calls_the_quantized_op():
     assert cosine(out, ref) > 0.995
 
 
+def test_sites_kept_sdpa_leave_inductors_generated_code_unchanged():
+    """Where every site stays SDPA (here: below min_seq_len), backend="sage" costs nothing at run time: the generated
+    code is Inductor's own, line for line (bar the graph's id and the cache paths/hashes in kernel names)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    model = DemoTransformer(layers=2, dim=64, heads=4).bfloat16().eval()  # bf16: a supported site
+    x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
+
+    def generated(compiled):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            _, codes = run_and_get_code(compiled, x)
+        text = re.sub(r"AOT ID: \S+", "", "\n".join(codes))
+        return re.sub(r"/tmp/\S+|\b\w*[0-9a-z]{40,}\w*\b", "<path>", text)
+
+    options = {"fx_graph_cache": False}  # compiled here, not loaded: generated code to read
+    inductor = generated(torch.compile(model, options=options))
+    torch._dynamo.utils.counters.clear()
+    sage = generated(sage_compile.compile(model, config=SageConfig(min_seq_len=1 << 20), options=options))
+    assert torch._dynamo.utils.counters["sage"]["sites_kept_sdpa"] == 2
+    assert "scaled_dot_product" in inductor and sage == inductor
+    replaced = generated(sage_compile.compile(model, config=SageConfig(min_seq_len=0), options=options))
+    assert "sage.quantized_attention" in replaced and replaced != inductor  # the comparison can tell them apart
+
+
 def test_sampled_k_mean_reads_only_the_sample_in_the_generated_code():
     """μK from a sample (k_mean_sample): Inductor's generated prep gathers the S sampled keys in a loop of S
     instead of reducing over all N keys — one of the prep's N-key loops becomes an S-key loop."""
