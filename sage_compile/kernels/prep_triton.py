@@ -81,6 +81,22 @@ def _quantized_int8(x, inv):
 
 
 @triton.jit
+def _int8_scales(amax):
+    """(δ, 1/δ) of spec.quantize_symmetric for int8: δ = fma_friendly(max(amax/127, tiny)) — at least the smallest
+    normal float, so that 1/δ is finite (an all-zero group: x̂ = 0·inv = 0) — and 1/δ, both IEEE divisions."""
+    delta = tl.maximum(_div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
+    delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
+    return delta, _div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
+
+
+@triton.jit
+def _e4m3_scale(amax):
+    """δV of spec.prepare_v: max(amax/448, tiny) (IEEE division; at least the smallest normal float, so 1/δV is
+    finite)."""
+    return tl.maximum(_div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38)
+
+
+@triton.jit
 def _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS: tl.constexpr):
     """(x₁c₁ − x₂s₁, x₂c₂ + x₁s₂) with each product rounded once, as prep.rope_reference computes. EXACT_PRODUCTS (x
     and the tables 16-bit floats): a product of two 8- or 11-bit significands is exact in fp32, so one product folds
@@ -207,10 +223,7 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
     if THREAD_GROUPS:  # rows past N (−μ where there is a mean; never stored) raise no group's amax
         amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(row_ok, amax, 0.0), axis=0)
-    # δ ≥ the smallest normal float, so that 1/δ is finite (an all-zero row: x̂ = 0·inv = 0)
-    delta = tl.maximum(_div_rn(amax, tl.full([BLOCK], 127.0, tl.float32)), 1.1754943508222875e-38)
-    delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
-    inv = _div_rn(tl.full([BLOCK], 1.0, tl.float32), delta)
+    delta, inv = _int8_scales(amax)
     q1 = _quantized_int8(r1, inv[:, None])
     q2 = _quantized_int8(r2, inv[:, None])
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
@@ -272,8 +285,7 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
-    amax = tl.load(amax_ptr + bh * D + cols)
-    delta = tl.maximum(_div_rn(amax, tl.full([D], 448.0, tl.float32)), 1.1754943508222875e-38)  # 1/δV finite
+    delta = _e4m3_scale(tl.load(amax_ptr + bh * D + cols))
     if tile == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
     inv = _div_rn(tl.full([D], 1.0, tl.float32), delta)

@@ -50,10 +50,7 @@ def rope_quantize_tma(x_desc, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n,
         if HAS_MEAN:
             r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
             r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
-        amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
-        delta = tl.maximum(pt._div_rn(amax, tl.full([BLOCK], 127.0, tl.float32)), 1.1754943508222875e-38)
-        delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)
-        inv = pt._div_rn(tl.full([BLOCK], 1.0, tl.float32), delta)
+        delta, inv = pt._int8_scales(tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1)))
         out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
         tl.store(out, pt._quantized_int8(r1, inv[:, None]), mask=mask)
         tl.store(out + HALF, pt._quantized_int8(r2, inv[:, None]), mask=mask)
@@ -67,8 +64,7 @@ def v_quantize_tma(v_desc, amax_ptr, delta_ptr, out_ptr, H, N, N_PAD, D: tl.cons
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
-    amax = tl.load(amax_ptr + bh * D + cols)
-    delta = tl.maximum(pt._div_rn(amax, tl.full([D], 448.0, tl.float32)), 1.1754943508222875e-38)
+    delta = pt._e4m3_scale(tl.load(amax_ptr + bh * D + cols))
     if tile == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
     inv = pt._div_rn(tl.full([D], 1.0, tl.float32), delta)
