@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 
 if __package__ in (None, ""):
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.anchors import DISTRIBUTIONS, accuracy_metrics, anchor_qkv
-from bench.kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _graph_ms, _rotating
+from bench.kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _graph_ms, _rotating, interleaved_ms
 
 N_DEFAULT = "1024,2048,4096,8192,16384,32768"
 
@@ -221,16 +220,8 @@ def _main(argv=None):
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
                 columns = (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
                            ("sage_pt", sage_pt), *extra, ("prep", prep), ("prep_fused", fused), ("rope", ropes))
-                timings = {name: [] for name, _ in columns}
-                for _ in range(opts.rounds):
-                    for name, fn in columns:
-                        with torch.no_grad():
-                            fn(*sets[0])
-                            timings[name].append(_bench_ms(_rotating([lambda s=s, f=fn: f(*s) for s in sets])))
-                for name, values in timings.items():
-                    row[f"{name}_ms"] = statistics.median(values)
-                    if opts.rounds > 1:
-                        row[f"{name}_ms_rounds"] = values
+                timed = {name: _rotating([lambda s=s, f=fn: f(*s) for s in sets]) for name, fn in columns}
+                row.update(interleaved_ms(timed, opts.rounds))
                 for name, fn in (("prep", prep), ("prep_fused", fused), ("rope", ropes)):  # GPU time alone
                     with torch.no_grad():
                         row[f"{name}_graph_ms"] = _graph_ms(lambda f=fn: f(*sets[0]))

@@ -72,6 +72,24 @@ def _bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def interleaved_ms(columns: dict, rounds: int) -> dict:
+    """{name}_ms for each column (name → a call to time): the median over `rounds` passes, each pass timing every
+    column once in order (_bench_ms, after one untimed call), so that the GPU's clock drift over a run falls on all
+    columns alike; with rounds > 1 also {name}_ms_rounds, every pass. Inference only: runs under no_grad."""
+    import statistics
+
+    times = {name: [] for name in columns}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in columns.items():
+                fn()  # a first call compiles: do_bench would size its repetitions on it
+                times[name].append(_bench_ms(fn))
+    out = {f"{name}_ms": statistics.median(values) for name, values in times.items()}
+    if rounds > 1:
+        out.update({f"{name}_ms_rounds": values for name, values in times.items()})
+    return out
+
+
 def _graph_ms(fn):
     """GPU time of ``fn`` alone: median of do_bench_cudagraph (host launch cost out); for host-bound pieces
     like a compiled prep, whose do_bench time is its Python/launch time."""

@@ -16,7 +16,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 
 if __package__ in (None, ""):
@@ -27,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench.e2e_bench import rope, rope_tables
-from bench.kernel_bench import _bench_ms
+from bench.kernel_bench import interleaved_ms
 
 ATTENTION_KERNELS = ("_attn_fwd", "attention", "fmha", "flash", "cudnn", "sdpa")
 
@@ -92,19 +91,6 @@ def attention_share(fn, x) -> float:
     return attn / total if total else float("nan")
 
 
-def _interleaved_ms(columns: dict, x, rounds: int) -> dict:
-    """{name}_ms: the median over `rounds` interleaved passes of each column's do_bench time (and, with rounds > 1,
-    every pass as {name}_ms_rounds)."""
-    times = {name: [] for name in columns}
-    for _ in range(rounds):
-        for name, fn in columns.items():
-            times[name].append(_bench_ms(functools.partial(fn, x)))
-    out = {f"{name}_ms": statistics.median(values) for name, values in times.items()}
-    if rounds > 1:
-        out.update({f"{name}_ms_rounds": values for name, values in times.items()})
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="dit,llama8k,llama32k,vitl")
@@ -134,7 +120,8 @@ def main(argv=None) -> int:
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
                        sites=sum(len(r.sites) for r in reports), rope_absorbed=absorbed,
-                       **_interleaved_ms(dict(inductor=inductor, sage=sage, sage_pt=sage_pt), x, opts.rounds),
+                       **interleaved_ms({name: functools.partial(fn, x) for name, fn in
+                                         (('inductor', inductor), ('sage', sage), ('sage_pt', sage_pt))}, opts.rounds),
                        cos_sage=F.cosine_similarity(out.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_sage_pt=F.cosine_similarity(out_pt.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_inductor=F.cosine_similarity(inductor(x).float().flatten(), eager.flatten(), dim=0).item(),

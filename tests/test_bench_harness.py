@@ -21,3 +21,22 @@ def test_each_column_keeps_its_compiled_entries_on_its_own_code_object():
         causal = column.__code__.co_name.endswith("causal1")
         assert torch.equal(out, attention_block(*inputs, causal=causal))
     assert [len(_debug_get_cache_entry_list(c.__code__)) for c in columns] == [1, 1, 1, 1]
+
+
+def test_columns_are_timed_in_interleaved_rounds_and_kept_as_medians(monkeypatch):
+    """bench.kernel_bench.interleaved_ms (e2e_bench and models share it): each round times every column once, in
+    order, after an untimed first call, and each column keeps its median over the rounds."""
+    from bench import kernel_bench
+
+    calls, timed = [], []
+    fake = iter([3.0, 10.0, 1.0, 12.0, 2.0, 11.0])  # a, b, a, b, a, b
+
+    def bench_ms(fn):
+        timed.append(calls[-1])
+        return next(fake)
+    monkeypatch.setattr(kernel_bench, "_bench_ms", bench_ms)
+    out = kernel_bench.interleaved_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert timed == ["a", "b"] * 3 and calls == ["a", "b"] * 3
+    assert out == {"a_ms": 2.0, "b_ms": 11.0, "a_ms_rounds": [3.0, 1.0, 2.0], "b_ms_rounds": [10.0, 12.0, 11.0]}
+    monkeypatch.setattr(kernel_bench, "_bench_ms", lambda fn: 5.0)
+    assert kernel_bench.interleaved_ms({"a": lambda: None}, rounds=1) == {"a_ms": 5.0}  # one pass: no rounds list
