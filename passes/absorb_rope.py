@@ -1,21 +1,29 @@
-"""Stage 1c (Dynamo graph, torch IR): sage.attention whose q and k are made by a half-split rotary →
-sage.rope_attention, so the rotary runs inside the fused prep (sage_compile/prep.py) instead of
-Inductor's generic fusion of the prep into it.
+"""Stage 1c (Dynamo graph, torch IR): sage.attention whose q and k are made by a rotary (and, before it, a per-head
+RMS norm) → sage.rope_attention, so the producers run inside the fused prep (sage_compile/prep.py) instead of
+Inductor's generic fusion of the prep into them.
 
 Matched, as models write it (operands of * and + in either order; h = D/2):
 * half tables:       x₁, x₂ = x.chunk(2, -1) or x[..., :h], x[..., h:];
-                     cat([x₁·cos − x₂·sin, x₂·cos + x₁·sin], -1)           (Llama reference, Flux-style)
+                     cat([x₁·cos − x₂·sin, x₂·cos + x₁·sin], -1)           (Llama reference)
 * rotate_half:       x·C + cat([−x₂, x₁], -1)·S, C and S full width      (Hugging Face transformers)
+* interleaved:       the same two forms on channel pairs — x₁, x₂ = x[..., 0::2], x[..., 1::2] or
+                     x.reshape(..., -1, 2).unbind(-1), and stack([a, b], -1).flatten(-2) in place of cat:
+                     stack([x₁·cos − x₂·sin, x₂·cos + x₁·sin], -1) with pair tables, or
+                     x·C + stack([−x₂, x₁], -1)·S with full-width tables     (GPT-J's rotate_every_two, diffusers)
 then any transposes/permutes to the attention layout (and a cat with empty tensors: a KV cache's first
-update, as transformers' DynamicCache does in prefill). Both q and k must match, with the rotary's output
-in x's dtype (a cast in between would be a rounding the fused prep skips); anything else keeps the
-generic path. The rotary nodes are removed when nothing else uses them (a KV cache that stores the
-rotated k keeps them: the prep then recomputes the rotary, which is cheaper than reading it back).
+update, as transformers' DynamicCache does in prefill). Before the rotary, through views that keep the head dim
+last, an RMS norm over the head dim (QK-norm: Qwen3, Gemma 3, SD3/Flux in diffusers) is absorbed too:
+F.rms_norm / nn.RMSNorm, or x·rsqrt(mean(x², -1, keepdim) + eps) times an optional weight of shape [D] (HF's
+``weight * h.to(dtype)``, Gemma's ``(1 + weight)``). Both q and k must match, with the same rotary form (the
+interleaved form leaves Q's and K's channels permuted alike: prep.py); anything else keeps the generic path.
+Casts inside the producer (x.float(), .to(x.dtype), type_as) are seen through: the fused prep keeps the chain in
+fp32, skipping those roundings (prep.py). The rotary nodes are removed when nothing else uses them (a KV cache
+that stores the rotated k keeps them: the prep then recomputes the rotary, which is cheaper than reading it back).
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
@@ -31,15 +39,23 @@ ADD = {operator.add, torch.add}
 SUB = {operator.sub, torch.sub}
 NEG = {operator.neg, torch.neg}
 CAT = {torch.cat, torch.concat, torch.concatenate}
+STACK = {torch.stack}
 VIEW_METHODS = {"transpose", "permute", "contiguous"}
+RSQRT = {torch.rsqrt}
+MEAN = {torch.mean}
+POW = {torch.pow, operator.pow}
+RMS_NORM = {torch.nn.functional.rms_norm, getattr(torch, "rms_norm", torch.nn.functional.rms_norm)}
+CAST_METHODS = {"float", "half", "bfloat16", "to", "type_as", "type"}
 
 
 @dataclass
 class Rope:
-    x: Node
-    first: Node  # x₁ (the tables are broadcast to its shape)
-    tables: List  # c₁, s₁, c₂, s₂: nodes (or (node, half) to slice a full-width table)
+    x: Node  # what the fused prep reads: the rotary's input, or the input of the RMS norm before it
+    tables: List  # c₁, s₁, c₂, s₂: nodes (or (node, part) to take a half (0, 1) or the even/odd entries of a table)
     views: List[Tuple[str, tuple]]  # from the rotary's output to the attention argument, in order
+    interleaved: bool = False  # x₁, x₂ = x's even and odd channels
+    norm: Optional[Tuple[Optional[Node], float]] = None  # (weight [D] or None, eps) of an RMS norm before the rotary
+    pre_views: List[Tuple[str, tuple]] = field(default_factory=list)  # from x to the rotary's input (after a norm)
 
 
 def _val(node):
@@ -66,8 +82,51 @@ def _last_dim(node: Node, dim) -> bool:
     return val is not None and isinstance(dim, int) and dim in (-1, val.dim() - 1)
 
 
-def _half_of(node) -> Optional[Tuple[Node, int]]:
-    """(x, 0) for x₁ = first half of x's last dim, (x, 1) for the second half; None otherwise."""
+def _strip_casts(node):
+    """The tensor under dtype casts (x.float(), .to(dtype), type_as, ...): the fused prep keeps the producer chain in
+    fp32, so a cast inside it is a rounding skipped (prep.py), never a different function."""
+    while isinstance(node, Node) and node.op == "call_method" and node.target in CAST_METHODS and node.args:
+        src, val = node.args[0], _val(node)
+        src_val = _val(src)
+        if val is None or src_val is None or val.shape != src_val.shape or val.device != src_val.device:
+            return node
+        if not (val.is_floating_point() and src_val.is_floating_point()):
+            return node
+        node = src
+    return node
+
+
+def _last_slice(node) -> Optional[slice]:
+    """s for src[..., s] (every other index a full slice)."""
+    src, index = node.args
+    val = _val(src)
+    if val is None or not isinstance(index, tuple) or not index:
+        return None
+    *lead, last = index
+    if lead and lead[0] is Ellipsis:
+        lead = lead[1:]
+    elif len(lead) != val.dim() - 1:
+        return None
+    if any(s != slice(None) for s in lead) or not isinstance(last, slice):
+        return None
+    return last
+
+
+def _pairs_source(node) -> Optional[Node]:
+    """x for x.reshape(*x.shape[:-1], -1, 2) (or view / unflatten(-1, (-1, 2))): x's channel pairs."""
+    val, src = _val(node), node.args[0] if node.args else None
+    src_val = _val(src)
+    if val is None or src_val is None or not _is_call(node, {torch.reshape}, "reshape") and not (
+            node.op == "call_method" and node.target in ("view", "unflatten")):
+        return None
+    if val.dim() != src_val.dim() + 1 or tuple(val.shape[-1:]) != (2,) or val.shape[:-2] != src_val.shape[:-1]:
+        return None
+    return src
+
+
+def _part_of(node) -> Optional[Tuple[Node, int, bool]]:
+    """(x, i, interleaved) for x's half i (x.chunk(2, -1)[i], x[..., :h] / x[..., h:]) or, interleaved, its even (0)
+    or odd (1) channels (x[..., 0::2] / x[..., 1::2], x.reshape(..., -1, 2).unbind(-1)[i]); x seen through casts."""
     if not isinstance(node, Node) or node.op != "call_function" or node.target is not operator.getitem:
         return None
     src, index = node.args
@@ -76,23 +135,29 @@ def _half_of(node) -> Optional[Tuple[Node, int]]:
         dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
         x = src.args[0]
         if chunks == 2 and _last_dim(x, dim) and _val(x).shape[-1] % 2 == 0:
-            return x, index
+            return _strip_casts(x), index, False
+        return None
+    if isinstance(src, Node) and _is_call(src, {torch.unbind}, "unbind") and index in (0, 1):
+        dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
+        pairs = src.args[0]
+        if isinstance(pairs, Node) and _last_dim(pairs, dim):
+            x = _pairs_source(pairs)
+            return (_strip_casts(x), index, True) if x is not None else None
         return None
     val = _val(src)
-    if val is None or not isinstance(index, tuple) or not index or val.shape[-1] % 2:
-        return None
-    *lead, last = index
-    if lead and lead[0] is Ellipsis:
-        lead = lead[1:]
-    elif len(lead) != val.dim() - 1:
-        return None
-    if any(s != slice(None) for s in lead) or not isinstance(last, slice) or last.step not in (None, 1):
+    last = _last_slice(node) if isinstance(src, Node) else None
+    if last is None or val.shape[-1] % 2:
         return None
     h = val.shape[-1] // 2
+    x = _strip_casts(src)
+    if last.step == 2 and last.stop is None and last.start in (None, 0, 1):
+        return x, last.start or 0, True
+    if last.step not in (None, 1):
+        return None
     if last.start in (None, 0) and last.stop == h:
-        return src, 0
+        return x, 0, False
     if last.start == h and last.stop is None:
-        return src, 1
+        return x, 1, False
     return None
 
 
@@ -104,17 +169,18 @@ def _mul_operands(node) -> Optional[Tuple[Node, Node]]:
 
 
 def _split_mul(node, want) -> Optional[Tuple[Node, Node]]:
-    """(factor, table) of a product one of whose operands satisfies ``want``."""
-    ops = _mul_operands(node)
+    """(factor, table) of a product one of whose operands satisfies ``want`` (the factor seen through casts)."""
+    ops = _mul_operands(_strip_casts(node))
     if ops is None:
         return None
     for a, b in (ops, ops[::-1]):
-        if want(a) and not want(b):
-            return a, b
+        if want(_strip_casts(a)) and not want(_strip_casts(b)):
+            return _strip_casts(a), b
     return None
 
 
 def _cat_pair(node) -> Optional[Tuple[Node, Node]]:
+    node = _strip_casts(node)
     if not _is_call(node, CAT, "cat") or node.op == "call_method":
         return None
     parts = node.args[0]
@@ -124,21 +190,63 @@ def _cat_pair(node) -> Optional[Tuple[Node, Node]]:
     return tuple(parts)
 
 
-def _match_half_tables(r: Node) -> Optional[Tuple[Node, Node, list]]:
-    """cat([x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂]) → (x, x₁, tables)."""
-    pair = _cat_pair(r)
-    if pair is None or not _is_call(pair[0], SUB, "sub") or not _is_call(pair[1], ADD, "add"):
+def _stack_pair(node) -> Optional[Tuple[Node, Node]]:
+    """(a, b) for stack([a, b], -1) flattened back into the last dim (.flatten(-2), .flatten(start) at the pair dim,
+    or a reshape/view to [..., D]): a and b interleaved."""
+    node = _strip_casts(node)
+    val = _val(node)
+    if val is None or node.op != "call_method" or node.target not in ("flatten", "reshape", "view") or not node.args:
         return None
-    sub, add = _plain_args(pair[0], 2), _plain_args(pair[1], 2)
+    stacked = node.args[0]
+    sval = _val(stacked)
+    if not _is_call(stacked, STACK) or stacked.op == "call_method" or sval is None:
+        return None
+    if sval.dim() != val.dim() + 1 or tuple(sval.shape[-1:]) != (2,) or val.shape[-1] != 2 * sval.shape[-2]:
+        return None
+    if node.target == "flatten":
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        if start not in (-2, sval.dim() - 2) or end not in (-1, sval.dim() - 1):
+            return None
+    parts = stacked.args[0]
+    dim = stacked.args[1] if len(stacked.args) > 1 else stacked.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or dim not in (-1, sval.dim() - 1):
+        return None
+    return tuple(parts)
+
+
+def _pair_of(node, interleaved: bool) -> Optional[Tuple[Node, Node]]:
+    return _stack_pair(node) if interleaved else _cat_pair(node)
+
+
+def _match_half_tables(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
+    """cat([x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂]) (or, interleaved, their stack on the last dim) → (x, x₁, tables,
+    interleaved)."""
+    for interleaved in (False, True):
+        pair = _pair_of(r, interleaved)
+        if pair is None:
+            continue
+        found = _match_rotated_pair(pair, interleaved)
+        if found is not None:
+            return (*found, interleaved)
+    return None
+
+
+def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, Node, list]]:
+    first_op, second_op = (_strip_casts(p) for p in pair)
+    if not _is_call(first_op, SUB, "sub") or not _is_call(second_op, ADD, "add"):
+        return None
+    sub, add = _plain_args(first_op, 2), _plain_args(second_op, 2)
     if sub is None or add is None:
         return None
-    first = _split_mul(sub[0], lambda n: (_half_of(n) or (None, None))[1] == 0)
-    second = _split_mul(sub[1], lambda n: (_half_of(n) or (None, None))[1] == 1)
+    part = lambda n, i: (_part_of(n) or (None, None, None))[1:] == (i, interleaved)  # noqa: E731
+    first = _split_mul(sub[0], lambda n: part(n, 0))
+    second = _split_mul(sub[1], lambda n: part(n, 1))
     if first is None or second is None:
         return None
     x1, c1 = first
     x2, s1 = second
-    if _half_of(x1)[0] is not _half_of(x2)[0]:
+    if _part_of(x1)[0] is not _part_of(x2)[0]:
         return None
     terms = {}
     for term in add:
@@ -148,33 +256,37 @@ def _match_half_tables(r: Node) -> Optional[Tuple[Node, Node, list]]:
                 terms[name] = split[1]
     if set(terms) != {"c2", "s2"}:
         return None
-    return _half_of(x1)[0], x1, [c1, s1, terms["c2"], terms["s2"]]
+    return _part_of(x1)[0], x1, [c1, s1, terms["c2"], terms["s2"]]
 
 
-def _match_rotate_half(r: Node) -> Optional[Tuple[Node, Node, list]]:
-    """x·C + cat([−x₂, x₁])·S → (x, x₁, [(C, 0), (S, 0), (C, 1), (S, 1)])."""
+def _match_rotate_half(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
+    """x·C + cat([−x₂, x₁])·S → (x, x₁, [(C, 0), (S, 0), (C, 1), (S, 1)], False); interleaved,
+    x·C + stack([−x₂, x₁], -1).flatten(-2)·S → (x, x₁, [(C, 'even'), (S, 'even'), (C, 'odd'), (S, 'odd')], True)."""
+    r = _strip_casts(r)
     if not _is_call(r, ADD, "add"):
         return None
     terms = _plain_args(r, 2)
     if terms is None:
         return None
-    for plain, rotated in (terms, terms[::-1]):
-        rot = _split_mul(rotated, lambda n: _cat_pair(n) is not None)
-        if rot is None:
-            continue
-        neg_x2, x1 = _cat_pair(rot[0])
-        if not _is_call(neg_x2, NEG, "neg") or len(neg_x2.args) != 1:
-            continue
-        x2 = neg_x2.args[0]
-        h1, h2 = _half_of(x1), _half_of(x2)
-        if h1 is None or h2 is None or h1 != (h2[0], 0) or h2[1] != 1:
-            continue
-        x = h1[0]
-        direct = _split_mul(plain, lambda n, x=x: n is x)
-        if direct is None:
-            continue
-        big_c, big_s = direct[1], rot[1]
-        return x, x1, [(big_c, 0), (big_s, 0), (big_c, 1), (big_s, 1)]
+    for interleaved in (False, True):
+        for plain, rotated in (terms, terms[::-1]):
+            rot = _split_mul(rotated, lambda n, i=interleaved: _pair_of(n, i) is not None)
+            if rot is None:
+                continue
+            neg_x2, x1 = (_strip_casts(p) for p in _pair_of(rot[0], interleaved))
+            if not _is_call(neg_x2, NEG, "neg") or len(neg_x2.args) != 1:
+                continue
+            x2 = _strip_casts(neg_x2.args[0])
+            p1, p2 = _part_of(x1), _part_of(x2)
+            if p1 is None or p2 is None or p1 != (p2[0], 0, interleaved) or p2[1:] != (1, interleaved):
+                continue
+            x = p1[0]
+            direct = _split_mul(plain, lambda n, x=x: n is x)
+            if direct is None:
+                continue
+            big_c, big_s = direct[1], rot[1]
+            parts = ("even", "odd") if interleaved else (0, 1)
+            return x, x1, [(big_c, parts[0]), (big_s, parts[0]), (big_c, parts[1]), (big_s, parts[1])], interleaved
     return None
 
 
@@ -215,18 +327,135 @@ def _peel_views(node: Node) -> Tuple[Node, List[Tuple[str, tuple]]]:
 def match_rope(arg: Node) -> Optional[Rope]:
     if not isinstance(arg, Node):
         return None
-    r, views = _peel_views(arg)
+    out, views = _peel_views(arg)
+    r = _strip_casts(out)  # a rotary computed in fp32 and cast back: the cast is a rounding the fused prep skips
     for matcher in (_match_half_tables, _match_rotate_half):
         found = matcher(r)
         if found is None:
             continue
-        x, first, tables = found
-        xv, rv = _val(x), _val(r)
-        if xv is None or rv is None or rv.dtype != xv.dtype or rv.shape != xv.shape:
+        x, _, tables, interleaved = found
+        xv, ov = _val(x), _val(out)
+        if xv is None or ov is None or ov.dtype != xv.dtype or ov.shape != xv.shape:
             return None
         if not _tables_ok(tables, xv.shape[-1]):
             return None
-        return Rope(x, first, tables, views)
+        rope = Rope(x, tables, views, interleaved)
+        _absorb_norm(rope)
+        return rope
+    return None
+
+
+def _keeps_last_dim(view: Tuple[str, tuple], ndim: int) -> bool:
+    name, args = view
+    norm = lambda d: d % ndim if isinstance(d, int) else None  # noqa: E731
+    if name == "transpose":
+        return ndim - 1 not in {norm(d) for d in args}
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return len(dims) == ndim and norm(dims[-1]) == ndim - 1
+    return name == "contiguous"
+
+
+def _absorb_norm(rope: Rope) -> None:
+    """An RMS norm over the head dim before the rotary (through views that keep that dim last) moves into ``rope``:
+    x becomes the norm's input, the views between the two come first."""
+    y, views = _peel_views(rope.x)
+    val = _val(y)
+    if val is None or not all(_keeps_last_dim(v, val.dim()) for v in views):
+        return
+    found = match_rms_norm(y)
+    if found is None:
+        return
+    x0, weight, eps = found
+    if _val(x0).dtype != _val(rope.x).dtype:  # the fused prep reads x in the attention inputs' dtype
+        return
+    rope.x, rope.pre_views, rope.norm = x0, views, (weight, eps)
+
+
+def _factors(node) -> List[Node]:
+    """The operands of a product of tensors (nested *, seen through casts); a non-product is its own factor."""
+    node = _strip_casts(node)
+    ops = _mul_operands(node)
+    if ops is None:
+        return [node]
+    return _factors(ops[0]) + _factors(ops[1])
+
+
+def _mean_square_of(node) -> Optional[Node]:
+    """x for mean(x², -1, keepdim=True) (x² as pow(x, 2), x·x or x.square()), x seen through casts."""
+    node = _strip_casts(node)
+    if not _is_call(node, MEAN, "mean") or not node.args:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    square = _strip_casts(node.args[0])
+    if not keepdim or not _last_dim(square, dim):
+        return None
+    if _is_call(square, POW, "pow") and len(square.args) == 2 and square.args[1] == 2:
+        return _strip_casts(square.args[0])
+    if square.op == "call_method" and square.target == "square" and len(square.args) == 1:
+        return _strip_casts(square.args[0])
+    ops = _mul_operands(square)
+    if ops is not None and _strip_casts(ops[0]) is _strip_casts(ops[1]):
+        return _strip_casts(ops[0])
+    return None
+
+
+def _inverse_rms(node) -> Optional[Tuple[Node, float]]:
+    """(x, eps) for rsqrt(mean(x², -1, keepdim=True) + eps)."""
+    if not _is_call(node, RSQRT, "rsqrt") or len(node.args) != 1:
+        return None
+    inner = _strip_casts(node.args[0])
+    args = _plain_args(inner, 2) if _is_call(inner, ADD, "add") else None
+    if args is None:
+        return None
+    for ms, eps in (args, args[::-1]):
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool) and isinstance(ms, Node):
+            x = _mean_square_of(ms)
+            if x is not None:
+                return x, float(eps)
+    return None
+
+
+def _weight_ok(node, d: int) -> bool:
+    """A per-channel weight: floating, d elements along the last dim only."""
+    val = _val(node)
+    return (val is not None and val.is_floating_point() and val.shape[-1] == d and val.numel() == d)
+
+
+def match_rms_norm(y: Node) -> Optional[Tuple[Node, Optional[Node], float]]:
+    """(x, weight or None, eps) for y = RMS norm of x over its last dim: F.rms_norm(x, [D], weight, eps) (eps None:
+    fp32's epsilon, as torch computes it), or x·rsqrt(mean(x², -1, keepdim=True) + eps) times at most one weight of
+    shape [D] (casts seen through)."""
+    y = _strip_casts(y)
+    if not isinstance(y, Node) or _val(y) is None:
+        return None
+    d = _val(y).shape[-1]
+    if _is_call(y, RMS_NORM):
+        args = list(y.args) + [None] * (4 - len(y.args))
+        x = args[0]
+        shape = y.kwargs.get("normalized_shape", args[1])
+        weight = y.kwargs.get("weight", args[2])
+        eps = y.kwargs.get("eps", args[3])
+        if not isinstance(x, Node) or list(shape or ()) != [d]:
+            return None
+        if weight is not None and not _weight_ok(weight, d):
+            return None
+        return x, weight, float(torch.finfo(torch.float32).eps if eps is None else eps)
+    factors = _factors(y)
+    for i, f in enumerate(factors):
+        found = _inverse_rms(f)
+        if found is None:
+            continue
+        x, eps = found
+        rest = factors[:i] + factors[i + 1:]
+        if sum(r is x for r in rest) != 1:
+            return None
+        weights = [r for r in rest if r is not x]
+        if len(weights) > 1 or (weights and not _weight_ok(weights[0], d)):
+            return None
+        return x, (weights[0] if weights else None), eps
     return None
 
 
@@ -260,12 +489,12 @@ def _apply_views(graph, node: Node, views) -> Node:
 
 
 def _table_node(graph, table, first: Node, d: int) -> Node:
-    if isinstance(table, tuple):  # a full-width table: its half (or itself when its last dim is 1)
-        node, half = table
+    if isinstance(table, tuple):  # a full-width table: its half, even or odd entries (itself when its last dim is 1)
+        node, part = table
         if _val(node).shape[-1] == d:
             h = d // 2
-            node = _with_val(graph.call_function(operator.getitem,
-                                                 (node, (Ellipsis, slice(h * half, h * (half + 1))))))
+            cut = {0: slice(0, h), 1: slice(h, None), "even": slice(0, None, 2), "odd": slice(1, None, 2)}[part]
+            node = _with_val(graph.call_function(operator.getitem, (node, (Ellipsis, cut))))
         table = node
     return _with_val(graph.call_method("expand_as", (table, first)))
 
@@ -279,24 +508,37 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
             continue
         q, k, v = node.args[:3]
         rq, rk = match_rope(q), match_rope(k)
-        if rq is None or rk is None:
+        if rq is None or rk is None or rq.interleaved != rk.interleaved:  # Q and K must share one channel order
             continue
         with gm.graph.inserting_before(node):
             inputs = []
             for rope in (rq, rk):
                 d = _val(rope.x).shape[-1]
-                x = _apply_views(gm.graph, rope.x, rope.views)
+                at_rotary = _apply_views(gm.graph, rope.x, rope.pre_views)  # x in the rotary's layout
+                x = _apply_views(gm.graph, at_rotary, rope.views)
+                # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
+                first = _with_val(gm.graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
                 made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
                 for t in rope.tables:
                     key = t if isinstance(t, tuple) else (t, None)
                     if key not in made:
-                        made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, rope.first, d), rope.views)
+                        made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, first, d), rope.views)
                 tables = [made[t if isinstance(t, tuple) else (t, None)] for t in rope.tables]
                 inputs.append((x, tables))
             (xq, q_tables), (xk, k_tables) = inputs
+            kwargs = dict(node.kwargs, interleaved=rq.interleaved)
+            for name, rope in (("q", rq), ("k", rk)):
+                if rope.norm is not None:
+                    weight, eps = rope.norm
+                    if weight is not None:
+                        weight = _with_val(gm.graph.call_method("reshape", (weight, _val(weight).shape[-1])))
+                    kwargs.update({f"{name}_norm_weight": weight, f"{name}_norm_eps": eps})
             new = gm.graph.call_function(torch.ops.sage.rope_attention.default,
-                                         (xq, xk, v, q_tables, k_tables), dict(node.kwargs))
+                                         (xq, xk, v, q_tables, k_tables), kwargs)
         replace_node(gm.graph, node, new)
         torch._dynamo.utils.counters["sage"]["rope_absorbed"] += 1
+        if rq.interleaved:
+            torch._dynamo.utils.counters["sage"]["rope_interleaved"] += 1
+        torch._dynamo.utils.counters["sage"]["qk_norm_absorbed"] += (rq.norm is not None) + (rk.norm is not None)
         changed = True
     return finish_rewrite(gm, changed)

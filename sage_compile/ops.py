@@ -4,9 +4,10 @@ sage_compile``): the backend, ``sage_attention`` and the tests import it.
 * ``sage::attention`` — CompositeImplicitAutograd: AOTAutograd (and eager mode) decompose it into the
   prep in aten ops (``spec.prepare``) followed by ``sage::quantized_attention``, so Inductor can fuse the
   prep into whatever produced q/k/v.
-* ``sage::rope_attention`` — the same for q, k made by a half-split rotary (placed by
-  passes/absorb_rope.py): the rotary goes into a fused prep (``sage_compile/prep.py``: ``sage::rope_mean``,
-  ``sage::rope_quantize``, Triton on CUDA) instead of Inductor's generic fusion.
+* ``sage::rope_attention`` — the same for q, k made by a rotary, half-split or interleaved, optionally after a
+  per-head RMS norm (placed by passes/absorb_rope.py): the producer goes into a fused prep
+  (``sage_compile/prep.py``: ``sage::rope_mean``, ``sage::rope_quantize``, Triton on CUDA) instead of Inductor's
+  generic fusion.
 * ``sage::quantized_attention`` — opaque; its implementation is chosen per device by ``dispatch``.
 * ``sage::rope_q_attention`` — the same with Q given before its rotary: opt-in (SAGE_Q_PROLOGUE=1,
   ``prep.q_prologue_reason``), sage.rope_attention leaves Q's rotary and quantization to the sm90 kernel's prologue.
@@ -38,8 +39,10 @@ _CONFIG_ARGS = (
 _SDPA_ARGS = "Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False"
 
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, {_CONFIG_ARGS}, Tensor? kv_lens=None) -> Tensor")
+_ROPE_PRODUCER_ARGS = ("bool interleaved=False, Tensor? q_norm_weight=None, float? q_norm_eps=None, "
+                       "Tensor? k_norm_weight=None, float? k_norm_eps=None")
 _LIB.define(f"rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, {_SDPA_ARGS}, "
-            f"{_CONFIG_ARGS}, Tensor? kv_lens=None) -> Tensor")
+            f"{_CONFIG_ARGS}, Tensor? kv_lens=None, {_ROPE_PRODUCER_ARGS}) -> Tensor")
 
 
 def check_attention_inputs(q, k, v) -> None:
@@ -72,20 +75,25 @@ def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None,
                                   enable_gqa=False, qk="int8", q_granularity="per_token", k_granularity="per_token",
                                   q_block=128, k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
                                   k_mean_sample=512, fallback="sdpa", min_seq_len=None, allow_fp32=False,
-                                  kv_lens=None):
-    """sage.attention(rope(xq), rope(xk), v) with the rotary fused into the prep (sage_compile/prep.py);
+                                  kv_lens=None, interleaved=False, q_norm_weight=None, q_norm_eps=None,
+                                  k_norm_weight=None, k_norm_eps=None):
+    """sage.attention(rope(xq), rope(xk), v) with the producers — rotary (``interleaved``: channel pairs), and an RMS
+    norm before it where ``q_norm_eps`` / ``k_norm_eps`` is given — fused into the prep (sage_compile/prep.py);
     placed by passes/absorb_rope.py. Inputs the fused prep does not take go through sage.attention's own
-    path on the rotated q and k (computed in aten here; dead code, removed, when the fused prep runs)."""
+    path on the rotated q and k (computed in aten here, in the model's channel order; dead code, removed, when the
+    fused prep runs)."""
     config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
                      k_mean_sample, fallback, min_seq_len, allow_fp32)
-    q = prep.rope_reference(xq, q_tables).to(xq.dtype)
-    k = prep.rope_reference(xk, k_tables).to(xk.dtype)
+    q_norm = None if q_norm_eps is None else (q_norm_weight, q_norm_eps)
+    k_norm = None if k_norm_eps is None else (k_norm_weight, k_norm_eps)
+    q = prep.rope_model_order(xq, q_tables, interleaved, q_norm_weight, q_norm_eps).to(xq.dtype)
+    k = prep.rope_model_order(xk, k_tables, interleaved, k_norm_weight, k_norm_eps).to(xk.dtype)
     quant = config.quantization()
     fused = None
     if prep.fast_path_reason(xq, xk, quant, kv_lens) is None:
-        q_in_kernel = prep.q_prologue_reason(xq, q_tables, quant, attn_mask) is None
+        q_in_kernel = prep.q_prologue_reason(xq, q_tables, quant, attn_mask, interleaved, q_norm) is None
         fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=quant,
-                                  q_in_kernel=q_in_kernel)
+                                  q_in_kernel=q_in_kernel, interleaved=interleaved, q_norm=q_norm, k_norm=k_norm)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
 
 

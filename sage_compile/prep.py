@@ -1,9 +1,10 @@
-"""Fused prep for the commonest producer of q and k: the half-split rotary embedding (RoPE).
+"""Fused prep for the commonest producers of q and k: the rotary embedding (RoPE, half-split or interleaved),
+optionally after a per-head RMS norm (QK-norm).
 
 Inductor fuses ``spec.prepare`` into the rotary that produced q and k, but not near the memory floor: its
 Q kernel (rotary + per-token amax + int8 cast) ran at 3.4× its floor on the H200 and its K prep read k
 three times (docs/notes.md). When the stage-1 pass ``passes/absorb_rope.py`` finds q and k made by a
-half-split rotary, the site becomes ``sage.rope_attention``, whose prep is two steps with Triton
+rotary (and an RMS norm before it), the site becomes ``sage.rope_attention``, whose prep is two steps with Triton
 kernels on CUDA:
 
 * ``sage::rope_mean(x, tables, sample)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing):
@@ -15,11 +16,22 @@ kernels on CUDA:
 * ``sage::v_quantize(v)`` — V's half (``prepare_v``): per-channel amax over tokens, then e4m3 V̂ᵀ.
 On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
 
-Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] and four tables c₁, s₁, c₂, s₂
+Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] (half-split) or x₁ = x[..., 0::2],
+x₂ = x[..., 1::2] (interleaved: GPT-J's rotate_every_two, diffusers' unbind(-1) form) and four tables c₁, s₁, c₂, s₂
 broadcastable to x₁ (for the usual half tables c₁ = c₂ = cos, s₁ = s₂ = sin; for HF's full-width
-``x·cos + rotate_half(x)·sin`` they are cos/sin's halves):
+``x·cos + rotate_half(x)·sin`` they are cos/sin's halves, for full-width interleaved tables their even and odd
+entries):
 
     rope(x) = cat(x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂)         computed in fp32, each product rounded once.
+
+For the interleaved form that is the model's rotary with its channels permuted (even ones first, then odd ones). Q and
+K get the same permutation and nothing else reads their channels — scores are sums over channels, δ and μ per token
+and per channel — so attention is unchanged (the int8 dot products are exactly the same). With a QK-norm, x is first
+``rms_norm_reference(x, w, eps) = x·(1/√(mean(x²) + eps))·w`` over the head dim, in fp32 (the sum of squares in
+its own order, IEEE division and square root, each product rounded once). The fused prep reads the producer's
+input and keeps its chain in fp32: where the model rounds an intermediate to its dtype (the norm's output before
+the rotary, a rotary computed in fp32 and cast back), the fused prep does not — a rounding of at most 2⁻⁹ (bf16)
+relative, below int8's step, skipped.
 
 The numerics are ``spec.prepare`` applied to that fp32 rope(x) (what Inductor's fused path computes too:
 it keeps a fused chain in fp32): ``rope_prepare`` below is the spec for this path and the CPU
@@ -39,37 +51,71 @@ from . import spec
 HEAD_DIMS = (64, 128)  # the Triton kernels' head dims (D = padded D: no padding pass needed)
 
 
-def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor]) -> torch.Tensor:
-    """fp32 rope(x) for x [..., D]; tables = (c₁, s₁, c₂, s₂), each broadcastable to x[..., :D/2]."""
-    h = x.shape[-1] // 2
+def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """fp32 x·(1/√(mean(x²) + eps))·w over the last dim (the QK-norm before a rotary), each step rounded once."""
     xf = x.float()
-    x1, x2 = xf[..., :h], xf[..., h:]
+    ms = (xf * xf).sum(-1, keepdim=True) / xf.shape[-1]
+    y = xf * (1.0 / torch.sqrt(ms + eps))
+    return y * weight.float() if weight is not None else y
+
+
+def rope_halves(x: torch.Tensor, tables: Sequence[torch.Tensor], interleaved: bool = False,
+                norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
+    """fp32 (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for x [..., D]; tables = (c₁, s₁, c₂, s₂), each broadcastable to
+    x[..., :D/2]; x₁, x₂ the halves of x, or its even and odd channels (``interleaved``); x RMS-normalized first
+    when ``norm_eps`` is not None (weight optional)."""
+    xf = x.float() if norm_eps is None else rms_norm_reference(x, norm_weight, norm_eps)
+    h = x.shape[-1] // 2
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :h], xf[..., h:])
     c1, s1, c2, s2 = (t.float() for t in tables)
-    return torch.cat([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], dim=-1)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+def rope_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], interleaved: bool = False,
+                   norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
+    """fp32 rope(x) in the fused prep's channel order: cat(r₁, r₂) of ``rope_halves`` (for the half-split form the
+    model's order; for the interleaved one even channels first)."""
+    return torch.cat(rope_halves(x, tables, interleaved, norm_weight, norm_eps), dim=-1)
+
+
+def rope_model_order(x: torch.Tensor, tables: Sequence[torch.Tensor], interleaved: bool = False,
+                     norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
+    """fp32 rope(x) in the model's channel order (the interleaved form's pairs back in place)."""
+    r1, r2 = rope_halves(x, tables, interleaved, norm_weight, norm_eps)
+    return torch.stack([r1, r2], dim=-1).flatten(-2) if interleaved else torch.cat([r1, r2], dim=-1)
 
 
 def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization,
-                 q_in_kernel: bool = False) -> spec.Prepared:
+                 q_in_kernel: bool = False, interleaved: bool = False, q_norm=None, k_norm=None) -> spec.Prepared:
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts. ``q_in_kernel`` (``q_prologue_reason`` is None): Q's
-    step is left to the attention kernel — the result's q is xq and q_rope says how to rotate and quantize it."""
+    step is left to the attention kernel — the result's q is xq and q_rope says how to rotate and quantize it.
+    ``interleaved``, ``q_norm`` / ``k_norm`` ((weight or None, eps) or None): the producers (``rope_halves``)."""
     thread_groups = quant.k_granularity == "per_thread"
+    q_producer = dict(interleaved=interleaved, **_norm_kwargs(q_norm))
+    k_producer = dict(interleaved=interleaved, **_norm_kwargs(k_norm))
     # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
     # does the same); Q first, so nothing runs between the two (not A/B'd against forward order)
     if q_in_kernel:
         q8, q_scale, q_rope = xq, None, (list(q_tables), scale * spec.LOG2E)
     else:
-        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E)
+        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
         q_rope = None
-    k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample) if quant.smooth_k else None
-    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups)
+    k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
+    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups, **k_producer)
     v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
                          delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups,
                          q_rope=q_rope)
 
 
-def q_prologue_reason(xq, q_tables, quant: spec.Quantization, attn_mask) -> Optional[str]:
+def _norm_kwargs(norm) -> dict:
+    """(weight or None, eps) or None → rope_halves' norm_weight / norm_eps."""
+    return dict(norm_weight=None, norm_eps=None) if norm is None else dict(norm_weight=norm[0], norm_eps=float(norm[1]))
+
+
+def q_prologue_reason(xq, q_tables, quant: spec.Quantization, attn_mask, interleaved: bool = False,
+                      q_norm=None) -> Optional[str]:
     """Why Q's rotary and quantization stay in the prep's own kernel rather than in the sm90 attention kernel's
     prologue (None: sage.rope_q_attention takes raw Q). Opt-in, SAGE_Q_PROLOGUE=1: measured on the H100 in session
     16 it was no faster (docs/results/q_prologue_ab_h100_s16.json: the prologue's ~700 instructions per thread at
@@ -78,6 +124,8 @@ def q_prologue_reason(xq, q_tables, quant: spec.Quantization, attn_mask) -> Opti
     the inputs at run time (another GPU, strides) the op runs the prep's Q step itself, warned and counted."""
     if os.environ.get("SAGE_Q_PROLOGUE", "").strip() != "1":
         return "Q's rotary in the kernel's prologue is opt-in (SAGE_Q_PROLOGUE=1): measured no faster"
+    if interleaved or q_norm is not None:
+        return "Q's rotary in the kernel is the half-split form with no QK-norm"
     if quant.pv != "fp8" or attn_mask is not None:
         return "Q's rotary in the kernel runs with e4m3 PV and no attn_mask"
     if xq.dtype not in (torch.bfloat16, torch.float16):
@@ -117,16 +165,19 @@ def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]
 # torch.library.triton_op — Inductor then launches them from its generated code like its own kernels
 # (a plain custom op cost ~150 µs of host time per call: it made the prep host-bound).
 # --------------------------------------------------------------------------------------------------
-def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0) -> torch.Tensor:
+def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0, interleaved: bool = False,
+                        norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
     """mean over tokens of rope(x) (over ``sample`` of them where there are more): fp32 [B,H,1,D] (spec step 1)."""
-    return spec.token_mean(rope_reference(x, tables), None, sample)
+    return spec.token_mean(rope_reference(x, tables, interleaved, norm_weight, norm_eps), None, sample)
 
 
 def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
-                            out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                            out_scale: float, thread_groups: bool = False, interleaved: bool = False,
+                            norm_weight: Optional[torch.Tensor] = None,
+                            norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of rope(x) − mean: spec step 3, per token (per
     spec's per_thread K groups with ``thread_groups``)."""
-    r = rope_reference(x, tables)
+    r = rope_reference(x, tables, interleaved, norm_weight, norm_eps)
     if mean is not None:
         r = r - mean
     amax = spec.group_amax(r, "per_thread" if thread_groups else "per_token", spec.THREAD_GROUP_KEYS)
@@ -134,14 +185,19 @@ def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mea
     return x8, delta * out_scale
 
 
-def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0) -> torch.Tensor:
-    return torch.ops.sage.rope_mean(x, list(tables), sample) if x.is_cuda else rope_mean_reference(x, tables, sample)
-
-
-def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False):
+def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0, interleaved: bool = False,
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
     if x.is_cuda:
-        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale, thread_groups)
-    return rope_quantize_reference(x, tables, mean, out_scale, thread_groups)
+        return torch.ops.sage.rope_mean(x, list(tables), sample, interleaved, norm_weight, norm_eps)
+    return rope_mean_reference(x, tables, sample, interleaved, norm_weight, norm_eps)
+
+
+def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False, interleaved: bool = False,
+                     norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
+    if x.is_cuda:
+        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale, thread_groups, interleaved, norm_weight,
+                                            norm_eps)
+    return rope_quantize_reference(x, tables, mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
 
 
 def _same_halves(tables) -> bool:
@@ -163,7 +219,8 @@ def _table_args(tables, half_shape) -> list:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     @torch.library.triton_op("sage::rope_mean", mutates_args=())
-    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0) -> torch.Tensor:
+    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0, interleaved: bool = False,
+                  norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
         """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with
         sample > 0, over the keys spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x),
         then / min(N, sample)."""
@@ -171,13 +228,16 @@ if HAS_TRITON:
 
         batch, heads, n, d = x.shape
         partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
-                                                _same_halves(tables), sample=sample)
+                                                _same_halves(tables), sample=sample, interleaved=interleaved,
+                                                norm_weight=norm_weight, norm_eps=norm_eps)
         count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
         return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
 
     @torch.library.triton_op("sage::rope_quantize", mutates_args=())
     def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
-                      out_scale: float, thread_groups: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                      out_scale: float, thread_groups: bool = False, interleaved: bool = False,
+                      norm_weight: Optional[torch.Tensor] = None,
+                      norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
         from .kernels import prep_triton
 
@@ -185,7 +245,8 @@ if HAS_TRITON:
         x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
         deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
         prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
-                                         mean, x8, deltas, out_scale, thread_groups=thread_groups)
+                                         mean, x8, deltas, out_scale, thread_groups=thread_groups,
+                                         interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps)
         return x8, deltas
 
     @torch.library.triton_op("sage::v_quantize", mutates_args=())

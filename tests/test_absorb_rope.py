@@ -160,16 +160,232 @@ def test_fuse_rope_off_and_other_producers_are_left_alone():
     assert counters["sage"]["rope_absorbed"] == 0
 
 
-def test_casting_rotary_is_not_absorbed():
-    """fp32 tables promote the rotary to fp32 and a cast brings it back: a rounding the fused prep would
-    skip, so the site keeps the generic path."""
+def test_casting_rotary_is_absorbed_skipping_its_rounding():
+    """fp32 tables promote the rotary to fp32 and a cast brings it back: the fused prep keeps the fp32 rotary (the
+    cast's rounding skipped, prep.py) — the spec on it exactly, and the generic path (which rounds) to bf16's step."""
     def fn(q, k, v, cos, sin):
         return F.scaled_dot_product_attention(rope_hf(q, cos, sin).to(q.dtype), rope_hf(k, cos, sin).to(k.dtype), v)
 
-    q, k, v = (torch.randn(1, 2, 64, 64).bfloat16() for _ in range(3))
-    cos, sin = (t[None, None] for t in tables(64, 64, full_width=True, dtype=torch.float32))
-    compile_stage1(fn, q, k, v, cos, sin)
+    n, d = 64, 64
+    q, k, v = (torch.randn(1, 2, n, d).bfloat16() for _ in range(3))
+    cos, sin = (t[None, None] for t in tables(n, d, full_width=True, dtype=torch.float32))
+    out, _ = compile_stage1(fn, q, k, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["fused_rope_prep"] == 1
+    h = d // 2
+    halves = [cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:]]
+    assert torch.equal(out, spec_output(prep.rope_reference(q, halves), prep.rope_reference(k, halves), v, 0,
+                                        torch.bfloat16))
+    generic, _ = compile_stage1(fn, q, k, v, cos, sin, fuse_rope=False)
     assert counters["sage"]["rope_absorbed"] == 0
+    assert (out.float() - generic.float()).abs().max() < 0.02 * v.float().abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interleaved rotaries and QK-norms (the producers of issue 4's item 2 beyond the half-split rotary)
+# ---------------------------------------------------------------------------------------------------------------
+def rotate_every_two(x):
+    """GPT-J's rotation of channel pairs: (x₀, x₁, x₂, x₃, ...) → (−x₁, x₀, −x₃, x₂, ...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rope_gptj(x, cos, sin):
+    """x·C + rotate_every_two(x)·S with full-width tables whose pairs repeat (C[2i] = C[2i+1])."""
+    return x * cos + rotate_every_two(x) * sin
+
+
+def rope_diffusers(x, cos, sin):
+    """diffusers' apply_rotary_emb(use_real_unbind_dim=-1) on [B, N, H, D] with fp32 tables [N, D]."""
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def rope_pairs(x, cos, sin):
+    """The pair form with half tables [N, 1, D/2]: stack([x₁c − x₂s, x₂c + x₁s], -1) over x's even/odd channels."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def hf_rms_norm(x, weight, eps=1e-6):
+    """transformers' Qwen3RMSNorm / LlamaRMSNorm."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm(x, weight, eps=1e-6):
+    """transformers' Gemma3RMSNorm: a (1 + weight) scale."""
+    out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def pair_tables(n, d, seed=0, dtype=torch.float32):
+    """Full-width interleaved tables [N, D]: each angle repeated for its channel pair."""
+    cos, sin = tables(n, d, seed=seed, dtype=dtype)
+    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+
+def interleaved_expected(xq, xk, v, tabs, causal=False, q_norm=(None, None), k_norm=(None, None), quant=None):
+    """The spec on the fused prep's fp32 producers (xq/xk/v in attention layout)."""
+    q32 = prep.rope_reference(xq, tabs, True, *q_norm)
+    k32 = prep.rope_reference(xk, tabs, True, *k_norm)
+    return spec_output(q32, k32, v, int(causal), torch.bfloat16, quant or spec.Quantization())
+
+
+def test_interleaved_rotary_is_absorbed_and_exact():
+    """GPT-J's rotate_every_two: absorbed as the interleaved form; Q's and K's channels come out permuted alike (even
+    ones first), which leaves attention exactly the spec's on the model's own channel order."""
+    n, d = 70, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for _ in range(3))
+    cos, sin = (t.bfloat16() for t in pair_tables(n, d, seed=3))
+    fn = lambda q, k, v, c, s: F.scaled_dot_product_attention(rope_gptj(q, c, s), rope_gptj(k, c, s), v)  # noqa: E731
+    out, graphs = compile_stage1(fn, q, k, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["rope_interleaved"] == 1
+    assert torch.ops.sage.rope_attention.default in targets(graphs) and torch.stack not in targets(graphs)
+    tabs = [cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2]]
+    assert torch.equal(out, interleaved_expected(q, k, v, tabs))
+    model_order = spec_output(prep.rope_model_order(q, tabs, True), prep.rope_model_order(k, tabs, True), v, 0,
+                              torch.bfloat16)
+    assert torch.equal(out, model_order)  # the permutation changes no score: the int8 dot products are the same
+    ref = fn(q.float(), k.float(), v.float(), cos.float(), sin.float())
+    assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
+def test_diffusers_qk_norm_and_interleaved_rotary(k_granularity):
+    """The SD3/Flux attention of diffusers: RMSNorm on [B, N, H, D] (fp32 variance, weight in the input dtype), then
+    the unbind(-1) rotary with fp32 tables, transposed to SDPA's layout: both absorbed, the spec on the fp32 chain."""
+    def norm(x, w):
+        h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h.to(w.dtype) * w
+
+    def fn(xq, xk, v, cos, sin, wq, wk):
+        q = rope_diffusers(norm(xq, wq), cos, sin).transpose(1, 2)
+        k = rope_diffusers(norm(xk, wk), cos, sin).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+
+    n, heads, d = 96, 2, 64
+    g = torch.Generator().manual_seed(4)
+    xq, xk, v = (torch.randn(1, n, heads, d, generator=g).bfloat16() * 4 for _ in range(3))
+    wq, wk = (torch.rand(d, generator=g).bfloat16() + 0.5 for _ in range(2))
+    cos, sin = pair_tables(n, d, seed=4)
+    out, graphs = compile_stage1(fn, xq, xk, v, cos, sin, wq, wk, k_granularity=k_granularity)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["rope_interleaved"] == 1
+    assert counters["sage"]["qk_norm_absorbed"] == 2 and counters["sage"]["fused_rope_prep"] == 1
+    assert torch.rsqrt not in targets(graphs)  # the norms' nodes are gone with the rotary's
+    tabs = [cos[None, None, :, 0::2], sin[None, None, :, 0::2], cos[None, None, :, 1::2], sin[None, None, :, 1::2]]
+    quant = spec.Quantization(k_granularity=k_granularity)
+    expected = interleaved_expected(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tabs,
+                                    q_norm=(wq, 1e-6), k_norm=(wk, 1e-6), quant=quant)
+    assert torch.equal(out, expected)
+    ref = fn(xq.float(), xk.float(), v.float(), cos, sin, wq.float(), wk.float())
+    assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("norm", ["hf", "gemma", "module"])
+def test_qk_norm_before_rotate_half_is_absorbed(norm):
+    """Qwen3 / Gemma 3 in transformers: a per-head RMSNorm on [B, N, H, D], transposed, then rotate_half with
+    full-width tables, GQA — and nn.RMSNorm (F.rms_norm; eps None is fp32's epsilon, as torch computes it)."""
+    n, d, hq, hkv = 80, 64, 4, 2
+    g = torch.Generator().manual_seed(5)
+    xq = torch.randn(1, n, hq, d, generator=g).bfloat16() * 3
+    xk, v = (torch.randn(1, n, hkv, d, generator=g).bfloat16() * 3 for _ in range(2))
+    wq, wk = (torch.randn(d, generator=g).bfloat16() * 0.3 + 1 for _ in range(2))
+    module = torch.nn.RMSNorm(d, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(wq)
+    apply = {"hf": lambda x, w: hf_rms_norm(x, w), "gemma": lambda x, w: gemma_rms_norm(x, w),
+             "module": lambda x, w: module(x)}[norm]
+    cos, sin = (t[None, None] for t in tables(n, d, full_width=True, seed=5))
+
+    def fn(xq, xk, v, cos, sin):
+        q = rope_hf(apply(xq, wq).transpose(1, 2), cos, sin)
+        k = rope_hf(apply(xk, wk).transpose(1, 2), cos, sin)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), enable_gqa=True)
+
+    out, _ = compile_stage1(fn, xq, xk, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["qk_norm_absorbed"] == 2
+    assert counters["sage"]["rope_interleaved"] == 0
+    eps = {"hf": 1e-6, "gemma": 1e-6, "module": torch.finfo(torch.float32).eps}[norm]
+    weight = {"hf": (wq, wk), "gemma": (1 + wq.float(), 1 + wk.float()), "module": (wq, wq)}[norm]
+    h = d // 2
+    halves = [cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:]]
+    q32 = prep.rope_reference(xq.transpose(1, 2), halves, False, weight[0], eps)
+    k32 = prep.rope_reference(xk.transpose(1, 2), halves, False, weight[1], eps)
+    assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), 0, torch.bfloat16))
+    ref = fn(xq.float(), xk.float(), v.float(), cos.float(), sin.float())
+    assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
+
+
+def test_producers_that_are_not_these_keep_their_nodes():
+    """A norm over all heads (not the head dim) stays in the graph (the rotary is still absorbed); Q interleaved but K
+    half-split would need different channel orders: no rewrite; and x·rsqrt(mean(x²)) with a second weight factor of
+    the wrong shape is not a QK-norm."""
+    n, d, heads = 64, 64, 2
+    g = torch.Generator().manual_seed(6)
+    xq, xk, v = (torch.randn(1, n, heads, d, generator=g).bfloat16() for _ in range(3))
+    cos, sin = (t[:, None, :] for t in tables(n, d, seed=6))
+
+    def across_heads(xq, xk, v, cos, sin):
+        flat = lambda x: hf_rms_norm(x.flatten(-2), torch.ones(heads * d, dtype=x.dtype)).unflatten(-1, (heads, d))  # noqa: E731
+        q = rope_half_tables(flat(xq), cos, sin).transpose(1, 2)
+        k = rope_half_tables(flat(xk), cos, sin).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+
+    compile_stage1(across_heads, xq, xk, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["qk_norm_absorbed"] == 0
+
+    def mixed(xq, xk, v, cos, sin):
+        q = rope_pairs(xq, cos, sin).transpose(1, 2)
+        k = rope_half_tables(xk, cos, sin).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+
+    _, graphs = compile_stage1(mixed, xq, xk, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 0 and torch.ops.sage.attention.default in targets(graphs)
+
+    def odd_weight(xq, xk, v, cos, sin):
+        w = torch.ones(n, 1, 1, dtype=xq.dtype)  # per token, not per channel
+        q = rope_half_tables(hf_rms_norm(xq, w), cos, sin).transpose(1, 2)
+        k = rope_half_tables(hf_rms_norm(xk, w), cos, sin).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
+
+    compile_stage1(odd_weight, xq, xk, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["qk_norm_absorbed"] == 0
+
+
+def test_pair_form_with_half_tables_is_absorbed():
+    n, d = 50, 128
+    g = torch.Generator().manual_seed(8)
+    xq, xk, v = (torch.randn(2, n, 2, d, generator=g).bfloat16() for _ in range(3))
+    cos, sin = (t[:, None, :] for t in tables(n, d, seed=8))
+    fn = lambda xq, xk, v, c, s: F.scaled_dot_product_attention(  # noqa: E731
+        rope_pairs(xq, c, s).transpose(1, 2), rope_pairs(xk, c, s).transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    out, _ = compile_stage1(fn, xq, xk, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["rope_interleaved"] == 1
+    tabs = [t.expand(n, 2, d // 2).transpose(0, 1)[None] for t in (cos, sin, cos, sin)]
+    assert torch.equal(out, interleaved_expected(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tabs,
+                                                 causal=True))
+
+
+def test_norm_and_interleaved_references():
+    """rope_halves' interleaved form is the model's pair rotation, permuted; rms_norm_reference is F.rms_norm's
+    function (to fp32 rounding)."""
+    x = torch.randn(2, 3, 20, 64).bfloat16()
+    cos, sin = (t[None, None] for t in pair_tables(20, 64, seed=9))
+    tabs = [cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2]]
+    model = rope_gptj(x.float(), cos, sin)
+    assert torch.allclose(prep.rope_model_order(x, tabs, True), model, atol=1e-6)
+    assert torch.equal(prep.rope_reference(x, tabs, True), torch.cat([model[..., 0::2], model[..., 1::2]], -1))
+    w = torch.rand(64) + 0.5
+    assert torch.allclose(prep.rms_norm_reference(x, w, 1e-5), F.rms_norm(x.float(), (64,), w, 1e-5), rtol=1e-6,
+                          atol=1e-6)
+    x8, scale = prep.rope_quantize_reference(x, tabs, None, 1.0, interleaved=True, norm_weight=w, norm_eps=1e-5)
+    r = prep.rope_reference(x, tabs, True, w, 1e-5)
+    ref8, ref_delta = spec.quantize_symmetric(r, r.abs().amax(-1), 127)
+    assert torch.equal(x8, ref8) and torch.equal(scale, ref_delta)
 
 
 def test_inputs_the_fused_prep_does_not_take_use_the_rotated_q_k():

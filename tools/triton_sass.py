@@ -34,7 +34,9 @@ def compile_sm90(fn, args: dict, constexprs: dict, warps: int):
             signature[name] = "constexpr"
             continue
         value = args[name]
-        if isinstance(value, str):
+        if isinstance(value, float):
+            signature[name] = "fp32"
+        elif isinstance(value, str):
             signature[name] = value
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif value == 1:
@@ -78,12 +80,15 @@ def main():
     x = dict(x_ptr="*bf16", sxb=n * heads * d, sxh=d, sxn=heads * d, sxd=1)  # a [B,N,H,D] producer seen as [B,H,N,D]
     for table in ("c1", "s1", "c2", "s2"):  # bf16 [N, D/2] tables broadcast over batch and heads
         x.update({f"{table}_ptr": "*bf16", f"{table}b": 0, f"{table}h": 0, f"{table}n": d // 2, f"{table}d": 1})
+    x.update(w_ptr="*bf16")  # the QK-norm's weight (read only with NORM)
     quantize = dict(x, mean_ptr="*fp32", out_ptr="*i8", scale_ptr="*fp32", H=heads, N=n)
     v = dict(v_ptr="*bf16", svb=n * heads * d, svh=d, svn=heads * d, svd=1, amax_ptr="*fp32", delta_ptr="*fp32",
              out_ptr="*fp8e4nv", H=heads, N=n, N_PAD=n)
     amax = dict(x_ptr="*bf16", sxb=n * heads * d, sxh=d, sxn=heads * d, sxd=1, out_ptr="*fp32", H=heads, N=n,
                 TILES_PER_SPLIT=pt.TILES_PER_SPLIT)
-    base = dict(HALF=d // 2, SAME_HALVES=True, OUT_SCALE=1.0, EXACT_PRODUCTS=True)
+    base = dict(HALF=d // 2, SAME_HALVES=True, OUT_SCALE=1.0, EXACT_PRODUCTS=True, INTERLEAVED=False, NORM=False,
+                HAS_WEIGHT=False, eps=0.0)
+    normed = dict(base, EXACT_PRODUCTS=False, INTERLEAVED=True, NORM=True, HAS_WEIGHT=True, eps=1e-6)
     for tiles in (int(t) for t in a.tiles.split(",")):
         cases = [
             ("Q quantize (per token)", pt._rope_quantize_kernel, quantize,
@@ -94,7 +99,13 @@ def main():
              dict(base, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles), pt.QUANTIZE_WARPS),
         ]
         if tiles == 1:  # one tile a program only
-            cases += [("V quantize", pt._v_quantize_kernel, v, dict(D=d, BLOCK=pt.V_BLOCK_N), pt.V_WARPS),
+            cases += [("Q quantize (QK-norm, interleaved)", pt._rope_quantize_kernel, quantize,
+                       dict(normed, BLOCK=pt.QUANTIZE_BLOCK_N, HAS_MEAN=False, THREAD_GROUPS=False, TILES=tiles),
+                       pt.QUANTIZE_WARPS),
+                      ("K quantize (QK-norm, interleaved, per_thread, μ)", pt._rope_quantize_kernel, quantize,
+                       dict(normed, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles),
+                       pt.QUANTIZE_WARPS),
+                      ("V quantize", pt._v_quantize_kernel, v, dict(D=d, BLOCK=pt.V_BLOCK_N), pt.V_WARPS),
                       ("V amax partials", pt._absmax_sum_kernel, amax, dict(D=d, BLOCK=pt.SUM_BLOCK_N), pt.AMAX_WARPS)]
         for label, fn, args, constexprs, warps in cases:
             print(f"{label}, tiles {tiles}, {warps} warps: {summary(compile_sm90(fn, args, constexprs, warps))}",

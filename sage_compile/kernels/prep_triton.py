@@ -118,17 +118,48 @@ def _second_pass_program():
 
 
 @triton.jit
+def _rms_normalized(x1, x2, w_ptr, eps: tl.constexpr, cols, mask, D: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr):
+    """x·(1/√(mean(x²) + eps))·w over each row's D channels (prep.rms_norm_reference: IEEE division and square root,
+    each product rounded once; the sum of squares in the tile's own order), fp32; w read at the channels x₁ and x₂
+    came from. Rows outside ``mask`` become 0 (never NaN: a mean over them must stay exact)."""
+    sq = tl.sum(_mul_rn(x1, x1), axis=1) + tl.sum(_mul_rn(x2, x2), axis=1)
+    ms = _div_rn(sq, tl.full(sq.shape, D, tl.float32))
+    r = _div_rn(tl.full(sq.shape, 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None]
+    y1 = _mul_rn(x1, r)
+    y2 = _mul_rn(x2, r)
+    if HAS_WEIGHT:
+        if INTERLEAVED:
+            w1, w2 = tl.split(tl.load(w_ptr + 2 * cols[:, None] + tl.arange(0, 2)[None, :]).to(tl.float32))
+        else:
+            w1 = tl.load(w_ptr + cols).to(tl.float32)
+            w2 = tl.load(w_ptr + D // 2 + cols).to(tl.float32)
+        y1 = _mul_rn(y1, w1[None, :])
+        y2 = _mul_rn(y2, w2[None, :])
+    return tl.where(mask, y1, 0.0), tl.where(mask, y2, 0.0)
+
+
+@triton.jit
 def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
                c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-               c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
-               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, EXACT_PRODUCTS: tl.constexpr):
+               c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
+               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
+               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products); with
-    SAME_HALVES (c₂ is c₁, s₂ is s₁: the half-table form) each table is read once."""
+    SAME_HALVES (c₂ is c₁, s₂ is s₁: the half-table form) each table is read once. x₁, x₂: x's halves, or with
+    INTERLEAVED its even and odd channels (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized)."""
     r = rows[:, None]
     c = cols[None, :]
-    xb = x_ptr + b * sxb + h * sxh + r * sxn + c * sxd
-    x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # the row's D channels in one load, split into the even (x₁) and odd (x₂) ones
+        pair = tl.arange(0, 2)[None, None, :]
+        xb = x_ptr + b * sxb + h * sxh + r[:, :, None] * sxn + (2 * c[:, :, None] + pair) * sxd
+        x1, x2 = tl.split(tl.load(xb, mask=mask[:, :, None], other=0.0).to(tl.float32))
+    else:
+        xb = x_ptr + b * sxb + h * sxh + r * sxn + c * sxd
+        x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _rms_normalized(x1, x2, w_ptr, eps, cols, mask, 2 * HALF, INTERLEAVED, HAS_WEIGHT)
     c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
     if SAME_HALVES:
@@ -143,10 +174,11 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
 @triton.jit
 def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                     c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                     c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                      out_ptr, H, N, TILES_PER_SPLIT, COUNT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
-                     EXACT_PRODUCTS: tl.constexpr):
+                     EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                     HAS_WEIGHT: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
@@ -168,8 +200,8 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
         else:
             mask = (rows < N)[:, None]
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
-                            SAME_HALVES, EXACT_PRODUCTS)
+                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols,
+                            mask, HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
         acc1 += r1
         acc2 += r2
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
@@ -180,11 +212,12 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
 @triton.jit
 def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                          c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                          c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
-                          EXACT_PRODUCTS: tl.constexpr, TILES: tl.constexpr = 1):
+                          EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
+                          HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1):
     """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
     (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
     groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4."""
@@ -193,18 +226,19 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
     h = bh % H
     for t in range(TILES):
         _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, mean_ptr, out_ptr, scale_ptr,
-                            N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, SAME_HALVES, THREAD_GROUPS,
-                            OUT_SCALE, EXACT_PRODUCTS)
+                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, mean_ptr, out_ptr,
+                            scale_ptr, N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, SAME_HALVES,
+                            THREAD_GROUPS, OUT_SCALE, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
 
 
 @triton.jit
 def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
                         c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d,
+                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                         mean_ptr, out_ptr, scale_ptr, N, bh, b, h, tile,
                         HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, SAME_HALVES: tl.constexpr,
-                        THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr):
+                        THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
+                        INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """One tile of _rope_quantize_kernel (tiles past N store nothing)."""
     if THREAD_GROUPS:  # 8 runs of 4 adjacent keys: each key's row is contiguous, as in the per-token tiles
         i = tl.arange(0, BLOCK)
@@ -215,8 +249,8 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
     row_ok = rows < N
     mask = row_ok[:, None]
     r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, HALF,
-                        SAME_HALVES, EXACT_PRODUCTS)
+                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols, mask,
+                        HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
@@ -304,23 +338,38 @@ def _x_args(x: torch.Tensor) -> list:
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def _exact_products(x: torch.Tensor, table_args: list) -> bool:
-    """x and the four rope tables (every fifth of table_args) are 16-bit floats: their products are exact in fp32."""
-    return x.dtype in _HALF_FLOATS and all(t.dtype in _HALF_FLOATS for t in table_args[::5])
+def _exact_products(x: torch.Tensor, table_args: list, norm_eps) -> bool:
+    """x and the four rope tables (every fifth of table_args) are 16-bit floats and x reaches the rotary as it is (no
+    norm before it): their products are exact in fp32."""
+    return norm_eps is None and x.dtype in _HALF_FLOATS and all(t.dtype in _HALF_FLOATS for t in table_args[::5])
+
+
+def _producer_args(x: torch.Tensor, table_args: list, interleaved: bool, norm_weight, norm_eps) -> tuple:
+    """(kernel arguments w_ptr, eps; their constexprs) of the rotary's producer: interleaved channel pairs, and an RMS
+    norm before the rotary when norm_eps is not None (weight optional: the kernel then reads x for it, unused). eps is
+    a constexpr (one compile per value; a float argument reached the kernel as fp64 through Inductor)."""
+    norm = norm_eps is not None
+    args = [norm_weight if norm_weight is not None else x, float(norm_eps) if norm else 0.0]
+    flags = dict(EXACT_PRODUCTS=_exact_products(x, table_args, norm_eps), INTERLEAVED=bool(interleaved), NORM=norm,
+                 HAS_WEIGHT=norm_weight is not None)
+    return args, flags
 
 
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: Optional[int] = None,
-                      tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0) -> torch.Tensor:
+                      tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0, interleaved: bool = False,
+                      norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens — or, with sample S > 0, over its
-    share of the keys spec.mean_sample_positions(N, S) takes (tiles and block: the measured defaults above unless given)."""
+    share of the keys spec.mean_sample_positions(N, S) takes (tiles and block: the measured defaults above unless given).
+    interleaved / norm_weight / norm_eps: the producer (prep.rope_halves); D in the halves' order."""
     batch, heads, n, d = x.shape
     block = block or (SAMPLED_SUM_BLOCK_N if sample else SUM_BLOCK_N)
     tiles = tiles or (TILES_PER_SAMPLED_SPLIT if sample else TILES_PER_SPLIT)
     splits = triton.cdiv(sample or n, tiles * block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
+    producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x), *table_args, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
-        SAME_HALVES=same_halves, SAMPLED=sample > 0, EXACT_PRODUCTS=_exact_products(x, table_args), num_warps=warps)
+        *_x_args(x), *table_args, *producer, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
+        SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=warps)
     return partial
 
 
@@ -337,10 +386,11 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
                          block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False,
-                         tiles_per_program: Optional[int] = None) -> None:
+                         tiles_per_program: Optional[int] = None, interleaved: bool = False,
+                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
     groups, a tile each; block is then ignored). block, warps and tiles_per_program: the measured defaults above,
-    unless given."""
+    unless given. interleaved / norm_weight / norm_eps: the producer (prep.rope_halves)."""
     batch, heads, n, d = x.shape
     warps = warps or QUANTIZE_WARPS
     if thread_groups:  # one tile per key group
@@ -352,11 +402,11 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
         tiles = triton.cdiv(n, block)
         tiles_per_program = tiles_per_program or QUANTIZE_TILES
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
+    producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(tiles, tiles_per_program))](
-        *_x_args(x), *table_args, mean_arg, x8, deltas, heads, n,
+        *_x_args(x), *table_args, *producer, mean_arg, x8, deltas, heads, n,
         HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
-        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), EXACT_PRODUCTS=_exact_products(x, table_args),
-        TILES=tiles_per_program, num_warps=warps)
+        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiles_per_program, num_warps=warps)
 
 
 def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,

@@ -58,6 +58,67 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     assert torch.equal(scale.cpu(), ref_scale)
 
 
+def _interleaved_tables(batch, heads, n, d, g):
+    """Full-width fp32 tables [N, D] of a [B,N,H,D] rotary, seen in attention layout: even and odd entries (strided
+    views), the way passes/absorb_rope.py hands the interleaved form's tables over."""
+    full = [(torch.rand(n, d, generator=g, device=DEV) * 2 - 1) for _ in range(2)]
+    views = [t[:, None, :].expand(n, heads, d).transpose(0, 1)[None].expand(batch, heads, n, d) for t in full]
+    return [views[0][..., 0::2], views[1][..., 0::2], views[0][..., 1::2], views[1][..., 1::2]]
+
+
+def _producer(d, g, interleaved, norm):
+    """Keyword arguments of the producer: interleaved pairs; an RMS norm (weight bf16 or none) with its eps."""
+    kwargs = dict(interleaved=interleaved, norm_weight=None, norm_eps=None)
+    if norm != "none":
+        kwargs["norm_eps"] = 1e-6
+        if norm == "weighted":
+            kwargs["norm_weight"] = (torch.rand(d, generator=g, device=DEV) + 0.5).bfloat16()
+    return kwargs
+
+
+def _cpu_kwargs(kwargs):
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+
+def _assert_near_quantized(x8, scale, ref8, ref_scale, exact):
+    """Bit-equal where the kernel's arithmetic is the reference's; with a norm, its sum of squares is taken in another
+    order (a few fp32 ulps of x̂ before rounding): δ within 4 ulps, and an int8 off by one at most, rarely."""
+    x8, scale = x8.cpu(), scale.cpu()
+    if exact:
+        assert torch.equal(x8, ref8), (x8.int() - ref8.int()).abs().max()
+        assert torch.equal(scale, ref_scale)
+        return
+    diff = (x8.int() - ref8.int()).abs()
+    off = int((diff > 0).sum())
+    assert diff.max() <= 1 and off <= max(2, diff.numel() // 1000), (int(diff.max()), off, diff.numel())
+    torch.testing.assert_close(scale, ref_scale, rtol=4 * 2**-23, atol=0)
+
+
+@settings(max_examples=16, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 65, 200, 1000]),
+       d=st.sampled_from([64, 128]), interleaved=st.booleans(), norm=st.sampled_from(["none", "plain", "weighted"]),
+       with_mean=st.booleans(), thread_groups=st.booleans(), seed=st.integers(0, 2**16))
+@example(batch=1, heads=1, n=1, d=64, interleaved=True, norm="weighted", with_mean=False, thread_groups=True, seed=0)
+def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, norm, with_mean,
+                                                          thread_groups, seed):
+    """The producers beyond the half-split rotary (interleaved channel pairs, an RMS norm first) against the CPU
+    reference: bit-equal without a norm, within the norm's summation order with one."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = _layout_x(batch, heads, n, d, g, "bnhd")
+    tables = _interleaved_tables(batch, heads, n, d, g) if interleaved else _tables(batch, heads, n, d, g, "half")
+    kwargs = _producer(d, g, interleaved, norm)
+    mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
+    if with_mean and n == 1 and norm == "none":  # the all-zero row (with a norm the kernel's r is the reference's
+        mean = prep.rope_reference(x, tables, **kwargs).float().contiguous()  # only to a few ulps: no zero row)
+    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups, **kwargs)
+    ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125,
+                                                   thread_groups, **_cpu_kwargs(kwargs))
+    _assert_near_quantized(x8, scale, ref8, ref_scale, exact=norm == "none")
+    got = torch.ops.sage.rope_mean(x, tables, 0, **kwargs).cpu()
+    want = prep.rope_mean_reference(x.cpu(), _cpu(tables), 0, **_cpu_kwargs(kwargs))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("thread_groups", [False, True])
 def test_rope_quantize_rounds_ties_and_near_ties_like_the_reference(thread_groups):
     """The quantize kernels take x̂ = rint(x·(1/δ)) from a mul and an add of 1.5·2²³ (prep_triton._quantized_int8).
@@ -193,6 +254,59 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity, monkeypat
     cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
     print(f"causal={causal} K {k_granularity}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
     assert cos_fused > 0.999 and abs(cos_fused - cos_generic) < 1e-4
+
+
+def _flux_block(xq, xk, v, cos, sin, wq, wk, causal=False):
+    """diffusers' SD3/Flux attention producers on [B, N, H, D]: RMSNorm (weight in bf16), the unbind(-1) rotary with
+    fp32 tables [N, D], then SDPA's layout."""
+    def norm(x, w):
+        h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h.to(w.dtype) * w
+
+    def rotary(x):
+        x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+        return (x.float() * cos[None, :, None] + x_rotated.float() * sin[None, :, None]).to(x.dtype)
+
+    q, k = rotary(norm(xq, wq)).transpose(1, 2), rotary(norm(xk, wk)).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_thread")])
+def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k_granularity, monkeypatch):
+    """QK-norm + interleaved rotary (the Flux/SD3 form) compiled on the GPU: both producers absorbed, our prep kernels
+    in the generated code and none of Inductor's reductions (the norms' mean squares live in our kernels), and the
+    output as close to fp32 as the generic path's (which keeps the producers in Inductor's own kernels)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.delenv("SAGE_Q_PROLOGUE", raising=False)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    n, heads, d = 2048, 8, 128
+    xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() * 2 for _ in range(3))
+    wq, wk = ((torch.rand(d, generator=g, device=DEV) + 0.5).bfloat16() for _ in range(2))
+    angles = torch.rand(n, d // 2, generator=g, device=DEV) * 6.3
+    cos, sin = (t.repeat_interleave(2, -1) for t in (angles.cos(), angles.sin()))
+    config = ALWAYS.replace(k_granularity=k_granularity)
+    args = (xq, xk, v, cos, sin, wq, wk, causal)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        counters.clear()
+        out, codes = run_and_get_code(sage_compile.compile(_flux_block, config=config,
+                                                           options={"force_disable_caches": True}), *args)
+        sage_counters = dict(counters["sage"])
+        generic = sage_compile.compile(_flux_block, config=config.replace(fuse_rope=False))(*args)
+    code = "\n".join(codes)
+    assert sage_counters.get("rope_interleaved") == 1 and sage_counters.get("qk_norm_absorbed") == 2, sage_counters
+    assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1
+    assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
+    assert "triton_per_fused" not in code and "triton_red_fused" not in code
+    assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
+    ref = _flux_block(*(t.float() for t in args[:-1]), causal)
+    cos_fused = F.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
+    cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
+    print(f"causal={causal} K {k_granularity}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
+    assert cos_fused > 0.999 and cos_fused > cos_generic - 1e-4
 
 
 @pytest.mark.parametrize("causal", [False, True])
