@@ -36,7 +36,8 @@ def rotate_half_rope(x, cos, sin):
 
 
 def interleaved_rope(x, cos, sin):
-    """diffusers' apply_rotary_emb(use_real_unbind_dim=-1): fp32 tables [N, 1, D] with repeated pairs."""
+    """diffusers' apply_rotary_emb(use_real_unbind_dim=-1): fp32 tables [N, 1, D] with repeated pairs (made in the
+    block from [N, 1, D/2] by repeat_interleave, as Flux's position embedding makes them)."""
     x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
@@ -50,6 +51,8 @@ def rms_norm(x, weight, eps=1e-6):
 
 
 def block(producer: str, causal: bool, xq, xk, v, cos, sin, wq, wk):
+    if producer.endswith("interleaved"):  # full-width tables made in the graph, as Flux's position embedding does
+        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
     if producer.startswith("qknorm"):
         xq, xk = rms_norm(xq, wq), rms_norm(xk, wk)
     fn = {"half": rope, "interleaved": interleaved_rope, "qknorm_half": rotate_half_rope,
@@ -75,8 +78,7 @@ def make_inputs(producer: str, batch: int, n: int, heads: int, d: int, seed: int
         cos, sin = cos.bfloat16(), sin.bfloat16()
     elif producer == "qknorm_half":
         cos, sin = (torch.cat([t, t], -1).bfloat16() for t in (cos, sin))
-    else:  # interleaved: fp32, each angle repeated for its pair
-        cos, sin = (t.repeat_interleave(2, -1) for t in (cos, sin))
+    # interleaved: fp32 [N, 1, D/2], repeated per channel pair inside the block
     return xq, xk, v, cos[:, None, :], sin[:, None, :], wq, wk
 
 

@@ -9,7 +9,9 @@ Matched, as models write it (operands of * and + in either order; h = D/2):
 * interleaved:       the same two forms on channel pairs — x₁, x₂ = x[..., 0::2], x[..., 1::2] or
                      x.reshape(..., -1, 2).unbind(-1), and stack([a, b], -1).flatten(-2) in place of cat:
                      stack([x₁·cos − x₂·sin, x₂·cos + x₁·sin], -1) with pair tables, or
-                     x·C + stack([−x₂, x₁], -1)·S with full-width tables     (GPT-J's rotate_every_two, diffusers)
+                     x·C + stack([−x₂, x₁], -1)·S with full-width tables made in the graph as
+                     t.repeat_interleave(2, -1)                               (GPT-J's rotate_every_two, diffusers;
+                     full-width tables from outside the graph keep the generic path: _opaque_interleaved_tables)
 then any transposes/permutes to the attention layout (and a cat with empty tensors: a KV cache's first
 update, as transformers' DynamicCache does in prefill). Before the rotary, through views that keep the head dim
 last, an RMS norm over the head dim (QK-norm: Qwen3, Gemma 3, SD3/Flux in diffusers) is absorbed too:
@@ -340,6 +342,8 @@ def match_rope(arg: Node) -> Optional[Rope]:
         if not _tables_ok(tables, xv.shape[-1]):
             return None
         rope = Rope(x, tables, views, interleaved)
+        if _opaque_interleaved_tables(rope, xv.shape[-1]):
+            return None
         _absorb_norm(rope)
         return rope
     return None
@@ -499,6 +503,56 @@ def _table_node(graph, table, first: Node, d: int) -> Node:
     return _with_val(graph.call_method("expand_as", (table, first)))
 
 
+def _keeps_last(index) -> bool:
+    """An indexing tuple that only adds or keeps whole dims (None, :, ...): the last dim untouched."""
+    return isinstance(index, tuple) and all(i is None or i is Ellipsis or i == slice(None) for i in index)
+
+
+def _repeated_pairs(node) -> Optional[Tuple[Node, list]]:
+    """(t, re-indexing) for a full-width table made as t.repeat_interleave(2, dim=-1) (each angle repeated for its
+    channel pair, as diffusers builds Flux's tables), possibly re-indexed after with None / full slices (the
+    re-indexing to apply to t): its even and odd entries are both t."""
+    index = []
+    while isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem \
+            and _keeps_last(node.args[1]):
+        index.insert(0, node.args[1])
+        node = node.args[0]
+    if not _is_call(node, {torch.repeat_interleave}, "repeat_interleave") or not node.args:
+        return None
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    t = node.args[0]
+    return (t, index) if repeats == 2 and isinstance(t, Node) and _last_dim(node, dim) else None
+
+
+def _pair_tables(rope: Rope) -> Optional[list]:
+    """The interleaved rotate form's tables as (t, re-indexing) for c₁, s₁, c₂, s₂ — half width, c₂ = c₁ (read once) —
+    when its full-width C and S are repeat_interleave(·, 2, -1) of t_c and t_s; None for other forms."""
+    t = rope.tables
+    if not (rope.interleaved and all(isinstance(x, tuple) for x in t)):
+        return None
+    halves = [_repeated_pairs(node) for node, _ in t]
+    if any(h is None for h in halves) or t[0][0] is not t[2][0] or t[1][0] is not t[3][0]:
+        return None
+    return halves
+
+
+def _half_table_node(graph, half) -> Node:
+    t, index = half
+    for i in index:
+        t = _with_val(graph.call_function(operator.getitem, (t, i)))
+    return t
+
+
+def _opaque_interleaved_tables(rope: Rope, d: int) -> bool:
+    """Full-width interleaved tables not known to repeat each angle: the fused kernels would read their even and odd
+    entries separately, per head — measured 8-15× slower than Inductor's fusion of that rotary (H200, session 24:
+    docs/results/producers_bench_h200_s24_first.json), so such a site keeps the generic path."""
+    if not rope.interleaved or _pair_tables(rope) is not None:
+        return False
+    return any(isinstance(x, tuple) and _val(x[0]).shape[-1] == d for x in rope.tables)
+
+
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     if not config.fuse_rope:
         return gm
@@ -518,12 +572,17 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
                 x = _apply_views(gm.graph, at_rotary, rope.views)
                 # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
                 first = _with_val(gm.graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
+                pairs = _pair_tables(rope)
+                table_nodes = rope.tables
+                if pairs is not None:  # [t_c, t_s, t_c, t_s]: the same nodes, so the kernels read each once
+                    half_c, half_s = _half_table_node(gm.graph, pairs[0]), _half_table_node(gm.graph, pairs[1])
+                    table_nodes = [half_c, half_s, half_c, half_s]
                 made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
-                for t in rope.tables:
+                for t in table_nodes:
                     key = t if isinstance(t, tuple) else (t, None)
                     if key not in made:
                         made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, first, d), rope.views)
-                tables = [made[t if isinstance(t, tuple) else (t, None)] for t in rope.tables]
+                tables = [made[t if isinstance(t, tuple) else (t, None)] for t in table_nodes]
                 inputs.append((x, tables))
             (xq, q_tables), (xk, k_tables) = inputs
             kwargs = dict(node.kwargs, interleaved=rq.interleaved)

@@ -235,23 +235,33 @@ def interleaved_expected(xq, xk, v, tabs, causal=False, q_norm=(None, None), k_n
 
 
 def test_interleaved_rotary_is_absorbed_and_exact():
-    """GPT-J's rotate_every_two: absorbed as the interleaved form; Q's and K's channels come out permuted alike (even
-    ones first), which leaves attention exactly the spec's on the model's own channel order."""
+    """GPT-J's rotate_every_two with its tables repeated per pair in the graph: absorbed as the interleaved form, the
+    tables read at half width; Q's and K's channels come out permuted alike (even ones first), which leaves attention
+    exactly the spec's on the model's own channel order. The same rotary with full-width tables from outside the
+    graph keeps the generic path (the fused kernels were slower on them: passes/absorb_rope.py)."""
     n, d = 70, 64
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for _ in range(3))
-    cos, sin = (t.bfloat16() for t in pair_tables(n, d, seed=3))
-    fn = lambda q, k, v, c, s: F.scaled_dot_product_attention(rope_gptj(q, c, s), rope_gptj(k, c, s), v)  # noqa: E731
-    out, graphs = compile_stage1(fn, q, k, v, cos, sin)
+    half_cos, half_sin = tables(n, d, seed=3)
+
+    def fn(q, k, v, c, s):
+        c, s = c.repeat_interleave(2, dim=-1), s.repeat_interleave(2, dim=-1)
+        return F.scaled_dot_product_attention(rope_gptj(q, c, s), rope_gptj(k, c, s), v)
+
+    out, graphs = compile_stage1(fn, q, k, v, half_cos, half_sin)
     assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["rope_interleaved"] == 1
     assert torch.ops.sage.rope_attention.default in targets(graphs) and torch.stack not in targets(graphs)
-    tabs = [cos[..., 0::2], sin[..., 0::2], cos[..., 1::2], sin[..., 1::2]]
+    cos, sin = half_cos.repeat_interleave(2, -1), half_sin.repeat_interleave(2, -1)
+    tabs = [half_cos, half_sin, half_cos, half_sin]
     assert torch.equal(out, interleaved_expected(q, k, v, tabs))
     model_order = spec_output(prep.rope_model_order(q, tabs, True), prep.rope_model_order(k, tabs, True), v, 0,
                               torch.bfloat16)
     assert torch.equal(out, model_order)  # the permutation changes no score: the int8 dot products are the same
-    ref = fn(q.float(), k.float(), v.float(), cos.float(), sin.float())
+    ref = fn(q.float(), k.float(), v.float(), half_cos.float(), half_sin.float())
     assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
+    opaque = lambda q, k, v, c, s: F.scaled_dot_product_attention(rope_gptj(q, c, s), rope_gptj(k, c, s), v)  # noqa: E731
+    _, graphs = compile_stage1(opaque, q, k, v, cos, sin)
+    assert counters["sage"]["rope_absorbed"] == 0 and torch.ops.sage.attention.default in targets(graphs)
 
 
 @pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
@@ -262,7 +272,8 @@ def test_diffusers_qk_norm_and_interleaved_rotary(k_granularity):
         h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + 1e-6)
         return h.to(w.dtype) * w
 
-    def fn(xq, xk, v, cos, sin, wq, wk):
+    def fn(xq, xk, v, freqs, wq, wk):  # the tables made in the graph, as Flux's position embedding makes them
+        cos, sin = freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
         q = rope_diffusers(norm(xq, wq), cos, sin).transpose(1, 2)
         k = rope_diffusers(norm(xk, wk), cos, sin).transpose(1, 2)
         return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
@@ -271,17 +282,17 @@ def test_diffusers_qk_norm_and_interleaved_rotary(k_granularity):
     g = torch.Generator().manual_seed(4)
     xq, xk, v = (torch.randn(1, n, heads, d, generator=g).bfloat16() * 4 for _ in range(3))
     wq, wk = (torch.rand(d, generator=g).bfloat16() + 0.5 for _ in range(2))
-    cos, sin = pair_tables(n, d, seed=4)
-    out, graphs = compile_stage1(fn, xq, xk, v, cos, sin, wq, wk, k_granularity=k_granularity)
+    freqs = torch.rand(n, d // 2, generator=g) * 6.3
+    out, graphs = compile_stage1(fn, xq, xk, v, freqs, wq, wk, k_granularity=k_granularity)
     assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["rope_interleaved"] == 1
     assert counters["sage"]["qk_norm_absorbed"] == 2 and counters["sage"]["fused_rope_prep"] == 1
     assert torch.rsqrt not in targets(graphs)  # the norms' nodes are gone with the rotary's
-    tabs = [cos[None, None, :, 0::2], sin[None, None, :, 0::2], cos[None, None, :, 1::2], sin[None, None, :, 1::2]]
+    tabs = [freqs.cos()[None, None], freqs.sin()[None, None]] * 2
     quant = spec.Quantization(k_granularity=k_granularity)
     expected = interleaved_expected(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tabs,
                                     q_norm=(wq, 1e-6), k_norm=(wk, 1e-6), quant=quant)
     assert torch.equal(out, expected)
-    ref = fn(xq.float(), xk.float(), v.float(), cos, sin, wq.float(), wk.float())
+    ref = fn(xq.float(), xk.float(), v.float(), freqs, wq.float(), wk.float())
     assert F.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0) > 0.999
 
 

@@ -58,11 +58,13 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     assert torch.equal(scale.cpu(), ref_scale)
 
 
-def _interleaved_tables(batch, heads, n, d, g):
-    """Full-width fp32 tables [N, D] of a [B,N,H,D] rotary, seen in attention layout: even and odd entries (strided
-    views), the way passes/absorb_rope.py hands the interleaved form's tables over."""
+def _interleaved_tables(batch, heads, n, d, g, paired):
+    """Full-width fp32 tables [N, D] of a [B,N,H,D] rotary, seen in attention layout: the two of them (paired: how
+    passes/absorb_rope.py hands the interleaved rotate form's tables over), or their even and odd entries (views)."""
     full = [(torch.rand(n, d, generator=g, device=DEV) * 2 - 1) for _ in range(2)]
     views = [t[:, None, :].expand(n, heads, d).transpose(0, 1)[None].expand(batch, heads, n, d) for t in full]
+    if paired:
+        return views
     return [views[0][..., 0::2], views[1][..., 0::2], views[0][..., 1::2], views[1][..., 1::2]]
 
 
@@ -94,18 +96,20 @@ def _assert_near_quantized(x8, scale, ref8, ref_scale, exact):
     torch.testing.assert_close(scale, ref_scale, rtol=4 * 2**-23, atol=0)
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 65, 200, 1000]),
-       d=st.sampled_from([64, 128]), interleaved=st.booleans(), norm=st.sampled_from(["none", "plain", "weighted"]),
-       with_mean=st.booleans(), thread_groups=st.booleans(), seed=st.integers(0, 2**16))
-@example(batch=1, heads=1, n=1, d=64, interleaved=True, norm="weighted", with_mean=False, thread_groups=True, seed=0)
-def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, norm, with_mean,
+       d=st.sampled_from([64, 128]), interleaved=st.booleans(), paired=st.booleans(),
+       norm=st.sampled_from(["none", "plain", "weighted"]), with_mean=st.booleans(), thread_groups=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(batch=1, heads=1, n=1, d=64, interleaved=True, paired=True, norm="weighted", with_mean=False,
+         thread_groups=True, seed=0)
+def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, paired, norm, with_mean,
                                                           thread_groups, seed):
     """The producers beyond the half-split rotary (interleaved channel pairs, an RMS norm first) against the CPU
     reference: bit-equal without a norm, within the norm's summation order with one."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = _layout_x(batch, heads, n, d, g, "bnhd")
-    tables = _interleaved_tables(batch, heads, n, d, g) if interleaved else _tables(batch, heads, n, d, g, "half")
+    tables = _interleaved_tables(batch, heads, n, d, g, paired) if interleaved else _tables(batch, heads, n, d, g, "half")
     kwargs = _producer(d, g, interleaved, norm)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
     if with_mean and n == 1 and norm == "none":  # the all-zero row (with a norm the kernel's r is the reference's
@@ -256,9 +260,10 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity, monkeypat
     assert cos_fused > 0.999 and abs(cos_fused - cos_generic) < 1e-4
 
 
-def _flux_block(xq, xk, v, cos, sin, wq, wk, causal=False):
+def _flux_block(xq, xk, v, freqs, wq, wk, causal=False):
     """diffusers' SD3/Flux attention producers on [B, N, H, D]: RMSNorm (weight in bf16), the unbind(-1) rotary with
-    fp32 tables [N, D], then SDPA's layout."""
+    fp32 tables [N, D] made from the angles by repeat_interleave, then SDPA's layout."""
+    cos, sin = freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
     def norm(x, w):
         h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + 1e-6)
         return h.to(w.dtype) * w
@@ -286,9 +291,8 @@ def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k
     xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() * 2 for _ in range(3))
     wq, wk = ((torch.rand(d, generator=g, device=DEV) + 0.5).bfloat16() for _ in range(2))
     angles = torch.rand(n, d // 2, generator=g, device=DEV) * 6.3
-    cos, sin = (t.repeat_interleave(2, -1) for t in (angles.cos(), angles.sin()))
     config = ALWAYS.replace(k_granularity=k_granularity)
-    args = (xq, xk, v, cos, sin, wq, wk, causal)
+    args = (xq, xk, v, angles, wq, wk, causal)
     with torch.no_grad():
         torch._dynamo.reset()
         counters.clear()
