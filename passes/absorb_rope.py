@@ -221,9 +221,8 @@ def _pair_of(node, interleaved: bool) -> Optional[Tuple[Node, Node]]:
     return _stack_pair(node) if interleaved else _cat_pair(node)
 
 
-def _match_half_tables(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
-    """cat([x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂]) (or, interleaved, their stack on the last dim) → (x, x₁, tables,
-    interleaved)."""
+def _match_half_tables(r: Node) -> Optional[Tuple[Node, list, bool]]:
+    """cat([x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂]) (or, interleaved, their stack on the last dim) → (x, tables, interleaved)."""
     for interleaved in (False, True):
         pair = _pair_of(r, interleaved)
         if pair is None:
@@ -234,7 +233,7 @@ def _match_half_tables(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
     return None
 
 
-def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, Node, list]]:
+def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, list]]:
     first_op, second_op = (_strip_casts(p) for p in pair)
     if not _is_call(first_op, SUB, "sub") or not _is_call(second_op, ADD, "add"):
         return None
@@ -258,12 +257,12 @@ def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, Node, l
                 terms[name] = split[1]
     if set(terms) != {"c2", "s2"}:
         return None
-    return _part_of(x1)[0], x1, [c1, s1, terms["c2"], terms["s2"]]
+    return _part_of(x1)[0], [c1, s1, terms["c2"], terms["s2"]]
 
 
-def _match_rotate_half(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
-    """x·C + cat([−x₂, x₁])·S → (x, x₁, [(C, 0), (S, 0), (C, 1), (S, 1)], False); interleaved,
-    x·C + stack([−x₂, x₁], -1).flatten(-2)·S → (x, x₁, [(C, 'even'), (S, 'even'), (C, 'odd'), (S, 'odd')], True)."""
+def _match_rotate_half(r: Node) -> Optional[Tuple[Node, list, bool]]:
+    """x·C + cat([−x₂, x₁])·S → (x, [(C, 0), (S, 0), (C, 1), (S, 1)], False); interleaved,
+    x·C + stack([−x₂, x₁], -1).flatten(-2)·S → (x, [(C, 'even'), (S, 'even'), (C, 'odd'), (S, 'odd')], True)."""
     r = _strip_casts(r)
     if not _is_call(r, ADD, "add"):
         return None
@@ -288,7 +287,7 @@ def _match_rotate_half(r: Node) -> Optional[Tuple[Node, Node, list, bool]]:
                 continue
             big_c, big_s = direct[1], rot[1]
             parts = ("even", "odd") if interleaved else (0, 1)
-            return x, x1, [(big_c, parts[0]), (big_s, parts[0]), (big_c, parts[1]), (big_s, parts[1])], interleaved
+            return x, [(big_c, parts[0]), (big_s, parts[0]), (big_c, parts[1]), (big_s, parts[1])], interleaved
     return None
 
 
@@ -335,7 +334,7 @@ def match_rope(arg: Node) -> Optional[Rope]:
         found = matcher(r)
         if found is None:
             continue
-        x, _, tables, interleaved = found
+        x, tables, interleaved = found
         xv, ov = _val(x), _val(out)
         if xv is None or ov is None or ov.dtype != xv.dtype or ov.shape != xv.shape:
             return None

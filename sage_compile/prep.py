@@ -62,17 +62,11 @@ def rms_norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], eps: flo
 def rope_halves(x: torch.Tensor, tables: Sequence[torch.Tensor], interleaved: bool = False,
                 norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
     """fp32 (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for x [..., D]; tables = (c₁, s₁, c₂, s₂), each broadcastable to
-    x[..., :D/2] — or, interleaved, two full-width tables (C, S) broadcastable to x, c₁ = C[..., 0::2],
-    c₂ = C[..., 1::2] (and S alike); x₁, x₂ the halves of x, or its even and odd channels (``interleaved``); x
-    RMS-normalized first when ``norm_eps`` is not None (weight optional)."""
+    x[..., :D/2]; x₁, x₂ the halves of x, or its even and odd channels (``interleaved``); x RMS-normalized first
+    when ``norm_eps`` is not None (weight optional)."""
     xf = x.float() if norm_eps is None else rms_norm_reference(x, norm_weight, norm_eps)
     h = x.shape[-1] // 2
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :h], xf[..., h:])
-    if len(tables) == 2:
-        if not interleaved:
-            raise ValueError("two full-width rotary tables are the interleaved form's (C, S)")
-        big_c, big_s = tables
-        tables = (big_c[..., 0::2], big_s[..., 0::2], big_c[..., 1::2], big_s[..., 1::2])
     c1, s1, c2, s2 = (t.float() for t in tables)
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
@@ -206,22 +200,17 @@ def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False, in
     return rope_quantize_reference(x, tables, mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
 
 
-def table_form(tables) -> int:
-    """How the kernels read the tables: 0 four tables; 1 c₂ is c₁ and s₂ is s₁ (the half-table form), each read once;
-    2 two full-width tables (C, S) of the interleaved form, whose even and odd entries are c₁, c₂ and s₁, s₂."""
-    if len(tables) == 2:
-        return 2
-    return int(tables[0] is tables[2] and tables[1] is tables[3])
+def _same_halves(tables) -> bool:
+    """c₂ is c₁ and s₂ is s₁ (the half-table form): the kernels then read each table once."""
+    return tables[0] is tables[2] and tables[1] is tables[3]
 
 
-def _table_args(tables, x_shape) -> list:
-    """Each table and its strides broadcast to x₁'s shape (x's for two full-width tables; 0 on broadcast dims: a view,
-    no copy); two full-width tables are passed twice (the kernels read the first pair)."""
-    shape = x_shape if len(tables) == 2 else (*x_shape[:-1], x_shape[-1] // 2)
+def _table_args(tables, half_shape) -> list:
+    """Each table and its strides broadcast to x₁'s shape (0 on broadcast dims: a view, no copy)."""
     args = []
-    for t in (*tables, *tables) if len(tables) == 2 else tables:
+    for t in tables:
         args.append(t)
-        args.extend(torch.broadcast_to(t, shape).stride())
+        args.extend(torch.broadcast_to(t, half_shape).stride())
     return args
 
 
@@ -238,8 +227,8 @@ if HAS_TRITON:
         from .kernels import prep_triton
 
         batch, heads, n, d = x.shape
-        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d)),
-                                                table_form(tables), sample=sample, interleaved=interleaved,
+        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
+                                                _same_halves(tables), sample=sample, interleaved=interleaved,
                                                 norm_weight=norm_weight, norm_eps=norm_eps)
         count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
         return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
@@ -255,7 +244,7 @@ if HAS_TRITON:
         batch, heads, n, d = x.shape
         x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
         deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d)), table_form(tables),
+        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
                                          mean, x8, deltas, out_scale, thread_groups=thread_groups,
                                          interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps)
         return x8, deltas

@@ -86,7 +86,7 @@ def main():
              out_ptr="*fp8e4nv", H=heads, N=n, N_PAD=n)
     amax = dict(x_ptr="*bf16", sxb=n * heads * d, sxh=d, sxn=heads * d, sxd=1, out_ptr="*fp32", H=heads, N=n,
                 TILES_PER_SPLIT=pt.TILES_PER_SPLIT)
-    base = dict(HALF=d // 2, TABLE_FORM=1, OUT_SCALE=1.0, EXACT_PRODUCTS=True, INTERLEAVED=False, NORM=False,
+    base = dict(HALF=d // 2, SAME_HALVES=True, OUT_SCALE=1.0, EXACT_PRODUCTS=True, INTERLEAVED=False, NORM=False,
                 HAS_WEIGHT=False, eps=0.0)
     normed = dict(base, EXACT_PRODUCTS=False, INTERLEAVED=True, NORM=True, HAS_WEIGHT=True, eps=1e-6)
     for tiles in (int(t) for t in a.tiles.split(",")):

@@ -144,11 +144,10 @@ def _rms_normalized(x1, x2, w_ptr, eps: tl.constexpr, cols, mask, D: tl.constexp
 def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
                c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
-               b, h, rows, cols, mask, HALF: tl.constexpr, TABLE_FORM: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
+               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
                INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products). TABLE_FORM
-    (prep.table_form): 0 four tables; 1 c₂ is c₁, s₂ is s₁ (the half-table form), each read once; 2 two full-width
-    tables (c1_ptr, s1_ptr) whose even and odd entries are (c₁, c₂) and (s₁, s₂). x₁, x₂: x's halves, or with
+    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products); with
+    SAME_HALVES (c₂ is c₁, s₂ is s₁: the half-table form) each table is read once. x₁, x₂: x's halves, or with
     INTERLEAVED its even and odd channels (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized)."""
     r = rows[:, None]
     c = cols[None, :]
@@ -163,22 +162,14 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
         x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         x1, x2 = _rms_normalized(x1, x2, w_ptr, eps, cols, mask, 2 * HALF, INTERLEAVED, HAS_WEIGHT)
-    if TABLE_FORM == 2:  # two full-width tables: their even (c₁, s₁) and odd (c₂, s₂) entries, stride-2 loads as x's
-        cb = c1_ptr + b * c1b + h * c1h + r * c1n + (2 * c) * c1d
-        sb = s1_ptr + b * s1b + h * s1h + r * s1n + (2 * c) * s1d
-        c1 = tl.load(cb, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cb + c1d, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sb, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sb + s1d, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
+    if SAME_HALVES:
+        c2 = c1
+        s2 = s1
     else:
-        c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
-        if TABLE_FORM == 1:
-            c2 = c1
-            s2 = s1
-        else:
-            c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
-            s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
     return _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS)
 
 
@@ -187,7 +178,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                      c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                      out_ptr, H, N, TILES_PER_SPLIT, COUNT,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr, TABLE_FORM: tl.constexpr, SAMPLED: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
                      EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
@@ -212,7 +203,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
             mask = (rows < N)[:, None]
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols,
-                            mask, HALF, TABLE_FORM, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+                            mask, HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
         acc1 += r1
         acc2 += r2
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
@@ -226,7 +217,7 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                           mean_ptr, out_ptr, scale_ptr, H, N,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                          TABLE_FORM: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
+                          SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
                           EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
                           HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1):
     """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
@@ -238,7 +229,7 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
     for t in range(TILES):
         _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                             c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, mean_ptr, out_ptr,
-                            scale_ptr, N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, TABLE_FORM,
+                            scale_ptr, N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, SAME_HALVES,
                             THREAD_GROUPS, OUT_SCALE, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
 
 
@@ -247,7 +238,7 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
                         c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                         c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
                         mean_ptr, out_ptr, scale_ptr, N, bh, b, h, tile,
-                        HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, TABLE_FORM: tl.constexpr,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, SAME_HALVES: tl.constexpr,
                         THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
                         INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """One tile of _rope_quantize_kernel (tiles past N store nothing)."""
@@ -261,7 +252,7 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
     mask = row_ok[:, None]
     r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                         c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols, mask,
-                        HALF, TABLE_FORM, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+                        HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
@@ -366,7 +357,7 @@ def _producer_args(x: torch.Tensor, table_args: list, interleaved: bool, norm_we
     return args, flags
 
 
-def rope_partial_sums(x: torch.Tensor, table_args: list, table_form: int, block: Optional[int] = None,
+def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: Optional[int] = None,
                       tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0, interleaved: bool = False,
                       norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens — or, with sample S > 0, over its
@@ -380,7 +371,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, table_form: int, block:
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
         *_x_args(x), *table_args, *producer, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
-        TABLE_FORM=int(table_form), SAMPLED=sample > 0, **flags, num_warps=warps)
+        SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=warps)
     return partial
 
 
@@ -395,7 +386,7 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
     return out
 
 
-def launch_rope_quantize(x, table_args, table_form: int, mean, x8, deltas, out_scale: float = 1.0,
+def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
                          block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False,
                          tiles_per_program: Optional[int] = None, interleaved: bool = False,
                          norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> None:
@@ -416,7 +407,7 @@ def launch_rope_quantize(x, table_args, table_form: int, mean, x8, deltas, out_s
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(tiles, tiles_per_program))](
         *_x_args(x), *table_args, *producer, mean_arg, x8, deltas, heads, n,
-        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, TABLE_FORM=int(table_form),
+        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
         THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiles_per_program, num_warps=warps)
 
 

@@ -58,13 +58,11 @@ def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_m
     assert torch.equal(scale.cpu(), ref_scale)
 
 
-def _interleaved_tables(batch, heads, n, d, g, paired):
-    """Full-width fp32 tables [N, D] of a [B,N,H,D] rotary, seen in attention layout: the two of them (paired: how
-    passes/absorb_rope.py hands the interleaved rotate form's tables over), or their even and odd entries (views)."""
+def _interleaved_tables(batch, heads, n, d, g):
+    """Full-width fp32 tables [N, D] of a [B,N,H,D] rotary, seen in attention layout: their even and odd entries
+    (strided views; the pass gives the kernels half tables, but the op takes any four)."""
     full = [(torch.rand(n, d, generator=g, device=DEV) * 2 - 1) for _ in range(2)]
     views = [t[:, None, :].expand(n, heads, d).transpose(0, 1)[None].expand(batch, heads, n, d) for t in full]
-    if paired:
-        return views
     return [views[0][..., 0::2], views[1][..., 0::2], views[0][..., 1::2], views[1][..., 1::2]]
 
 
@@ -98,18 +96,18 @@ def _assert_near_quantized(x8, scale, ref8, ref_scale, exact):
 
 @settings(max_examples=24, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 65, 200, 1000]),
-       d=st.sampled_from([64, 128]), interleaved=st.booleans(), paired=st.booleans(),
+       d=st.sampled_from([64, 128]), interleaved=st.booleans(), four_tables=st.booleans(),
        norm=st.sampled_from(["none", "plain", "weighted"]), with_mean=st.booleans(), thread_groups=st.booleans(),
        seed=st.integers(0, 2**16))
-@example(batch=1, heads=1, n=1, d=64, interleaved=True, paired=True, norm="weighted", with_mean=False,
+@example(batch=1, heads=1, n=1, d=64, interleaved=True, four_tables=False, norm="weighted", with_mean=False,
          thread_groups=True, seed=0)
-def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, paired, norm, with_mean,
-                                                          thread_groups, seed):
+def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, four_tables, norm,
+                                                          with_mean, thread_groups, seed):
     """The producers beyond the half-split rotary (interleaved channel pairs, an RMS norm first) against the CPU
     reference: bit-equal without a norm, within the norm's summation order with one."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = _layout_x(batch, heads, n, d, g, "bnhd")
-    tables = _interleaved_tables(batch, heads, n, d, g, paired) if interleaved else _tables(batch, heads, n, d, g, "half")
+    tables = _interleaved_tables(batch, heads, n, d, g) if four_tables else _tables(batch, heads, n, d, g, "half")
     kwargs = _producer(d, g, interleaved, norm)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
     if with_mean and n == 1 and norm == "none":  # the all-zero row (with a norm the kernel's r is the reference's
