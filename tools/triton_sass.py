@@ -3,7 +3,7 @@
 the last EXIT (the main path; slow-path subroutines after it are left out), registers, and the commonest opcodes.
 Session 22 found the quantize kernels issue-bound this way (docs/results/gpu_runs_s22.md).
 
-    python tools/triton_sass.py [--n 4096] [--d 128] [--tiles 1,2]
+    python tools/triton_sass.py [--n 4096] [--d 128] [--tiles 1,2] [--heads 1]
 
 Needs Triton with its NVIDIA backend (ptxas, cuobjdump): a CPU machine can use the wheel unpacked beside torch
 (`pip install --no-deps --target DIR triton==3.6.0`, then PYTHONPATH=DIR).
@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--tiles", default="1")
+    ap.add_argument("--heads", type=int, default=1, help="heads per quantize program (tables read once for them)")
     a = ap.parse_args()
     n, d = a.n, a.d
     heads = 16 if d == 128 else 32
@@ -82,12 +83,14 @@ def main():
         x.update({f"{table}_ptr": "*bf16", f"{table}b": 0, f"{table}h": 0, f"{table}n": d // 2, f"{table}d": 1})
     x.update(w_ptr="*bf16")  # the QK-norm's weight (read only with NORM)
     quantize = dict(x, mean_ptr="*fp32", out_ptr="*i8", scale_ptr="*fp32", H=heads, N=n)
+    pairs = dict(quantize, sxb=n * heads * d // 2, sxh=d // 2, sxn=heads * d // 2)  # interleaved: strides in pairs
     v = dict(v_ptr="*bf16", svb=n * heads * d, svh=d, svn=heads * d, svd=1, amax_ptr="*fp32", delta_ptr="*fp32",
              out_ptr="*fp8e4nv", H=heads, N=n, N_PAD=n)
     amax = dict(x_ptr="*bf16", sxb=n * heads * d, sxh=d, sxn=heads * d, sxd=1, out_ptr="*fp32", H=heads, N=n,
                 TILES_PER_SPLIT=pt.TILES_PER_SPLIT)
     base = dict(HALF=d // 2, SAME_HALVES=True, OUT_SCALE=1.0, EXACT_PRODUCTS=True, INTERLEAVED=False, NORM=False,
-                HAS_WEIGHT=False, eps=0.0)
+                HAS_WEIGHT=False, eps=0.0, HEADS=a.heads)
+    interleaved = dict(base, INTERLEAVED=True)
     normed = dict(base, EXACT_PRODUCTS=False, INTERLEAVED=True, NORM=True, HAS_WEIGHT=True, eps=1e-6)
     for tiles in (int(t) for t in a.tiles.split(",")):
         cases = [
@@ -99,10 +102,16 @@ def main():
              dict(base, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles), pt.QUANTIZE_WARPS),
         ]
         if tiles == 1:  # one tile a program only
-            cases += [("Q quantize (QK-norm, interleaved)", pt._rope_quantize_kernel, quantize,
+            cases += [("Q quantize (interleaved)", pt._rope_quantize_kernel, pairs,
+                       dict(interleaved, BLOCK=pt.QUANTIZE_BLOCK_N, HAS_MEAN=False, THREAD_GROUPS=False, TILES=tiles),
+                       pt.QUANTIZE_WARPS),
+                      ("K quantize (interleaved, per_thread, μ)", pt._rope_quantize_kernel, pairs,
+                       dict(interleaved, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles),
+                       pt.QUANTIZE_WARPS),
+                      ("Q quantize (QK-norm, interleaved)", pt._rope_quantize_kernel, pairs,
                        dict(normed, BLOCK=pt.QUANTIZE_BLOCK_N, HAS_MEAN=False, THREAD_GROUPS=False, TILES=tiles),
                        pt.QUANTIZE_WARPS),
-                      ("K quantize (QK-norm, interleaved, per_thread, μ)", pt._rope_quantize_kernel, quantize,
+                      ("K quantize (QK-norm, interleaved, per_thread, μ)", pt._rope_quantize_kernel, pairs,
                        dict(normed, BLOCK=pt.THREAD_GROUP_TILE, HAS_MEAN=True, THREAD_GROUPS=True, TILES=tiles),
                        pt.QUANTIZE_WARPS),
                       ("V quantize", pt._v_quantize_kernel, v, dict(D=d, BLOCK=pt.V_BLOCK_N), pt.V_WARPS),

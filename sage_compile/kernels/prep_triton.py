@@ -31,6 +31,12 @@ QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_TILES = 32, 4, 2
 # warps. (Sessions 15-17 tiled a whole key block, 16 warps at D=128 and 8 at D=64 — 32 elements per thread, the
 # groups' maxima reduced across warps: 1.73-1.80× its floor at D=128, docs/results/prep_kernels_ab_d128_sweep_h100_s17.json.)
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
+# Heads a quantize program takes, each tile's tables read once for all of them (tables broadcast over heads only):
+# 4 with fp32 tables, 1 with 16-bit ones. tools/ab/table_heads.py (H200, session 25, B·N = 16K tokens, D=128, 4K and
+# 16K; docs/results/table_heads_h200_s25.json): fp32 tables, 1 → 4 heads: K with μ 44.7-50.5 → 35.4-38.0 µs, Q
+# 36.5-38.5 → 32.4-32.9 (each head re-read its tables from L2: twice x's bytes); bf16 tables, 1 → 2-8 heads slower
+# (K 28.6-31.3 → 33.9-38.1: the tables' registers live through the head loop, 53 → 90+ registers).
+QUANTIZE_HEADS, QUANTIZE_HEADS_FP32_TABLES = 1, 4
 # The reductions (μK's sums, δV's amax): a constant split of TILES_PER_SPLIT·SUM_BLOCK_N tokens (no guard on N), its
 # tiles accumulated element-wise. tools/ab/prep_kernels.py --sweep (H100, session 17, B·N = 16K tokens, 4K and 16K):
 # 16-token tiles × 16; sums on 2 warps 1.27-1.39× their floor (the old 128 × 2 on 4 warps, reducing every tile:
@@ -130,8 +136,7 @@ def _rms_normalized(x1, x2, w_ptr, eps: tl.constexpr, cols, mask, D: tl.constexp
     y2 = _mul_rn(x2, r)
     if HAS_WEIGHT:
         if INTERLEAVED:
-            w1 = tl.load(w_ptr + 2 * cols).to(tl.float32)
-            w2 = tl.load(w_ptr + 2 * cols + 1).to(tl.float32)
+            w1, w2 = _deinterleaved(w_ptr, cols, cols < D // 2)
         else:
             w1 = tl.load(w_ptr + cols).to(tl.float32)
             w2 = tl.load(w_ptr + D // 2 + cols).to(tl.float32)
@@ -141,27 +146,32 @@ def _rms_normalized(x1, x2, w_ptr, eps: tl.constexpr, cols, mask, D: tl.constexp
 
 
 @triton.jit
-def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
-               c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-               c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
-               b, h, rows, cols, mask, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
-               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products); with
-    SAME_HALVES (c₂ is c₁, s₂ is s₁: the half-table form) each table is read once. x₁, x₂: x's halves, or with
-    INTERLEAVED its even and odd channels (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized)."""
+def _deinterleaved(x_ptr, pair_offset, mask):
+    """(even, odd) channels of x's channel pairs at ``pair_offset`` (counted in pairs), fp32: each pair read as one
+    word — 32 bits for 16-bit floats, 64 for fp32 — and split by integer casts (little-endian: the even channel is
+    the low half). Every tensor stays [rows, D/2] in one register layout: the split of a [rows, D/2, 2] tile cost
+    shared-memory layout conversions (23 barriers, 4× the half-split kernel's time, session 24), and stride-2 loads
+    were uncoalesced (6×)."""
+    X: tl.constexpr = x_ptr.dtype.element_ty
+    if X == tl.float32:
+        w = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + pair_offset, mask=mask, other=0)
+        even = w.to(tl.uint32).to(tl.float32, bitcast=True)
+        odd = (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        w = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pair_offset, mask=mask, other=0)
+        even = w.to(tl.uint16).to(X, bitcast=True).to(tl.float32)
+        odd = (w >> 16).to(tl.uint16).to(X, bitcast=True).to(tl.float32)
+    return even, odd
+
+
+@triton.jit
+def _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                 c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask,
+                 SAME_HALVES: tl.constexpr):
+    """The rotary's tables c₁, s₁, c₂, s₂ at the tile's rows, fp32 [rows, HALF] each; with SAME_HALVES (c₂ is c₁,
+    s₂ is s₁: the half-table form) each table is read once."""
     r = rows[:, None]
     c = cols[None, :]
-    if INTERLEAVED:  # the row's D channels in one coalesced load, split into the even (x₁) and odd (x₂) ones
-        # (two stride-2 loads were uncoalesced in Triton's layout: the kernel ran 6× slower, session 24)
-        pair = tl.arange(0, 2)[None, None, :]
-        xb = x_ptr + b * sxb + h * sxh + r[:, :, None] * sxn + (2 * c[:, :, None] + pair) * sxd
-        x1, x2 = tl.split(tl.load(xb, mask=mask[:, :, None], other=0.0).to(tl.float32))
-    else:
-        xb = x_ptr + b * sxb + h * sxh + r * sxn + c * sxd
-        x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x1, x2 = _rms_normalized(x1, x2, w_ptr, eps, cols, mask, 2 * HALF, INTERLEAVED, HAS_WEIGHT)
     c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
     if SAME_HALVES:
@@ -170,6 +180,26 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd,
     else:
         c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
+    return c1, s1, c2, s2
+
+
+@triton.jit
+def _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: tl.constexpr,
+               b, h, rows, cols, mask, HALF: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
+               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products; the
+    tables from _rope_tables). x₁, x₂: x's halves, or with INTERLEAVED its even and odd channels
+    (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized)."""
+    r = rows[:, None]
+    c = cols[None, :]
+    if INTERLEAVED:  # x's strides count channel pairs (_x_args): pair c of the row, loaded as one word
+        x1, x2 = _deinterleaved(x_ptr, b * sxb + h * sxh + r * sxn + c, mask)
+    else:
+        xb = x_ptr + b * sxb + h * sxh + r * sxn + c * sxd
+        x1 = tl.load(xb, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _rms_normalized(x1, x2, w_ptr, eps, cols, mask, 2 * HALF, INTERLEAVED, HAS_WEIGHT)
     return _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS)
 
 
@@ -201,9 +231,10 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
             rows = tl.where(N > COUNT, u * (N // 32768) + (u * (N % 32768)) // 32768, rows)
         else:
             mask = (rows < N)[:, None]
-        r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols,
-                            mask, HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+        c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
+                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES)
+        r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
+                            EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
         acc1 += r1
         acc2 += r2
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
@@ -219,40 +250,44 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
                           EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
-                          HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1):
+                          HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1, HEADS: tl.constexpr = 1):
     """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
     (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
-    groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4."""
-    bh, tile_group = _second_pass_program()
-    b = bh // H
-    h = bh % H
+    groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4.
+    A program takes TILES tiles of HEADS adjacent heads (of one batch row: H % HEADS == 0), reading each tile's
+    tables once for its HEADS heads (HEADS > 1 only where the tables are the same for every head)."""
+    head_group, tile_group = _second_pass_program()
+    bh0 = head_group * HEADS
+    b = bh0 // H
+    h0 = bh0 % H
+    cols = tl.arange(0, HALF)
     for t in range(TILES):
-        _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                            c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, mean_ptr, out_ptr,
-                            scale_ptr, N, bh, b, h, tile_group * TILES + t, HALF, BLOCK, HAS_MEAN, SAME_HALVES,
-                            THREAD_GROUPS, OUT_SCALE, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+        tile = tile_group * TILES + t
+        if THREAD_GROUPS:  # 8 runs of 4 adjacent keys: each key's row is contiguous, as in the per-token tiles
+            i = tl.arange(0, BLOCK)
+            rows = (tile // 4) * 128 + 16 * (i // 4) + 4 * (tile % 4) + i % 4
+        else:
+            rows = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = (rows < N)[:, None]
+        c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
+                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h0, rows, cols, mask, SAME_HALVES)
+        for j in range(HEADS):
+            _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, mean_ptr, out_ptr, scale_ptr,
+                                N, bh0 + j, b, h0 + j, rows, cols, HALF, BLOCK, HAS_MEAN, THREAD_GROUPS, OUT_SCALE,
+                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
 
 
 @triton.jit
-def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd,
-                        c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
-                        mean_ptr, out_ptr, scale_ptr, N, bh, b, h, tile,
-                        HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, SAME_HALVES: tl.constexpr,
+def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: tl.constexpr,
+                        mean_ptr, out_ptr, scale_ptr, N, bh, b, h, rows, cols,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                         THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
                         INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """One tile of _rope_quantize_kernel (tiles past N store nothing)."""
-    if THREAD_GROUPS:  # 8 runs of 4 adjacent keys: each key's row is contiguous, as in the per-token tiles
-        i = tl.arange(0, BLOCK)
-        rows = (tile // 4) * 128 + 16 * (i // 4) + 4 * (tile % 4) + i % 4
-    else:
-        rows = tile * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, HALF)
+    """One tile of one head of _rope_quantize_kernel (rows past N store nothing)."""
     row_ok = rows < N
     mask = row_ok[:, None]
-    r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
-                        c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, rows, cols, mask,
-                        HALF, SAME_HALVES, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+    r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
+                        EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
@@ -333,8 +368,21 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
              y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])
 
 
-def _x_args(x: torch.Tensor) -> list:
-    return [x, *x.stride()]
+def _x_args(x: torch.Tensor, interleaved: bool = False) -> list:
+    """x and its strides; ``interleaved``: counted in channel pairs, for _deinterleaved's one-word pair reads (x
+    copied first where its pairs are not whole words: channels not contiguous, an odd stride or offset)."""
+    if not interleaved:
+        return [x, *x.stride()]
+    x = _whole_pairs(x)
+    return [x, *(s // 2 for s in x.stride()[:-1]), 1]
+
+
+def _whole_pairs(x: torch.Tensor) -> torch.Tensor:
+    """x itself when every (even, odd) channel pair of its last dim is one aligned word (channels contiguous, every
+    other stride and the storage offset even), else a contiguous copy."""
+    if x.stride(-1) == 1 and x.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in x.stride()[:-1]):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 _HALF_FLOATS = (torch.bfloat16, torch.float16)
@@ -351,6 +399,8 @@ def _producer_args(x: torch.Tensor, table_args: list, interleaved: bool, norm_we
     norm before the rotary when norm_eps is not None (weight optional: the kernel then reads x for it, unused). eps is
     a constexpr (one compile per value; a float argument reached the kernel as fp64 through Inductor)."""
     norm = norm_eps is not None
+    if norm_weight is not None and interleaved:
+        norm_weight = _whole_pairs(norm_weight)
     args = [norm_weight if norm_weight is not None else x, float(norm_eps) if norm else 0.0]
     flags = dict(EXACT_PRODUCTS=_exact_products(x, table_args, norm_eps), INTERLEAVED=bool(interleaved), NORM=norm,
                  HAS_WEIGHT=norm_weight is not None)
@@ -370,7 +420,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, bloc
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x), *table_args, *producer, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
+        *_x_args(x, interleaved), *table_args, *producer, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
         SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=warps)
     return partial
 
@@ -389,12 +439,19 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
                          block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False,
                          tiles_per_program: Optional[int] = None, interleaved: bool = False,
-                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> None:
+                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                         heads_per_program: Optional[int] = None) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
     groups, a tile each; block is then ignored). block, warps and tiles_per_program: the measured defaults above,
-    unless given. interleaved / norm_weight / norm_eps: the producer (prep.rope_halves)."""
+    unless given. interleaved / norm_weight / norm_eps: the producer (prep.rope_halves). heads_per_program (default
+    QUANTIZE_HEADS, or QUANTIZE_HEADS_FP32_TABLES with 32-bit tables): heads whose tiles one program quantizes,
+    reading the tables once — where every table is the same for all heads (head stride 0) and it divides H, else 1."""
     batch, heads, n, d = x.shape
     warps = warps or QUANTIZE_WARPS
+    wide_tables = any(t.element_size() >= 4 for t in table_args[::5])
+    heads_per_program = heads_per_program or (QUANTIZE_HEADS_FP32_TABLES if wide_tables else QUANTIZE_HEADS)
+    if heads % heads_per_program or any(table_args[i + 2] != 0 for i in range(0, len(table_args), 5)):
+        heads_per_program = 1
     if thread_groups:  # one tile per key group
         block = THREAD_GROUP_TILE
         tiles = triton.cdiv(n, THREAD_GROUP_KEYS) * THREAD_GROUPS_PER_BLOCK
@@ -405,10 +462,12 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
         tiles_per_program = tiles_per_program or QUANTIZE_TILES
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
-    wrap_triton(_rope_quantize_kernel)[(batch * heads, triton.cdiv(tiles, tiles_per_program))](
-        *_x_args(x), *table_args, *producer, mean_arg, x8, deltas, heads, n,
+    grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiles_per_program))
+    wrap_triton(_rope_quantize_kernel)[grid](
+        *_x_args(x, interleaved), *table_args, *producer, mean_arg, x8, deltas, heads, n,
         HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
-        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiles_per_program, num_warps=warps)
+        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiles_per_program,
+        HEADS=heads_per_program, num_warps=warps)
 
 
 def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,

@@ -38,8 +38,13 @@ def test_generated_code_runs_the_quantized_op_per_layer_and_no_sdpa():
 
 
 def test_prep_fuses_into_the_producers():
-    """Q quantization fuses with its producer: no kernel in the generated code only casts q to int8
-    without computing its amax; per-token amax and rounding live in the same kernel."""
+    """Q's and K's quantization each fuse with their producer (an RMS norm Inductor generates): exactly two Inductor
+    kernels round to int8, and each also computes the per-token amax and the norm — none only casts q or k. Kernels
+    are counted by launch (``.run(``): the generated code also carries the @triton.jit helpers our own kernels call
+    (_div_rn, _mul_rn, ...): 8079a47 added one (_e4m3_scale) and the old count of @triton.jit went from 12 to 13
+    with the same nine launches."""
+    import re
+
     from torch._inductor.utils import run_and_get_code
 
     def block(xq, xk, v):
@@ -50,10 +55,13 @@ def test_prep_fuses_into_the_producers():
     compiled = sage_compile.compile(block, config=ALWAYS, options={"force_disable_caches": True})
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, xq, xk, v)
-    code = "\n".join(codes)
-    kernels = code.count("@triton.jit")
-    print(f"prep + producers: {kernels} Triton kernels")
-    assert kernels <= 12, f"prep split into {kernels} kernels"
+    launched = re.findall(r"(\w+)\.run\(", "\n".join(codes))
+    print(f"prep + producers: {len(launched)} kernel launches: {launched}")
+    rounding = [name for name in launched if "round" in name]
+    assert len(rounding) == 2 and all("amax" in name and "rms_norm" in name for name in rounding), launched
+    # our V prep (amax partials, their reduction, quantize), the norm's statistics, μK's sampled sum (gather and
+    # two reduction stages), Q's and K's quantize: 9 launches on torch 2.11
+    assert len(launched) <= 9, launched
     assert _cos(out, block(*(t.float() for t in (xq, xk, v)))) > 0.999
 
 

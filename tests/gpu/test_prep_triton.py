@@ -39,11 +39,15 @@ def _cpu(tables):
 
 
 @settings(max_examples=20, deadline=None)
-@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
+@given(batch=st.integers(1, 2), heads=st.sampled_from([1, 2, 3, 4, 8]), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
        d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), kind=st.sampled_from(["half", "full"]),
        with_mean=st.booleans(), thread_groups=st.booleans(), seed=st.integers(0, 2**16))
 @example(batch=1, heads=1, n=1, d=64, layout="bhnd", kind="half", with_mean=True, thread_groups=True, seed=0)
+@example(batch=2, heads=8, n=65, d=128, layout="bnhd", kind="half", with_mean=True, thread_groups=False, seed=3)
+@example(batch=1, heads=4, n=200, d=64, layout="bnhd", kind="half", with_mean=True, thread_groups=True, seed=4)
 def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, thread_groups, seed):
+    """Bit-equal to the reference. Half tables are fp32 and shared by every head: with 4 or 8 heads a program
+    quantizes 4 heads, reading each tile's tables once (QUANTIZE_HEADS_FP32_TABLES)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = _layout_x(batch, heads, n, d, g, layout)
     tables = _tables(batch, heads, n, d, g, kind)
@@ -66,14 +70,27 @@ def _interleaved_tables(batch, heads, n, d, g):
     return [views[0][..., 0::2], views[1][..., 0::2], views[0][..., 1::2], views[1][..., 1::2]]
 
 
-def _producer(d, g, interleaved, norm):
-    """Keyword arguments of the producer: interleaved pairs; an RMS norm (weight bf16 or none) with its eps."""
+def _producer(d, g, interleaved, norm, dtype=torch.bfloat16):
+    """Keyword arguments of the producer: interleaved pairs; an RMS norm (weight of ``dtype`` or none) with its eps."""
     kwargs = dict(interleaved=interleaved, norm_weight=None, norm_eps=None)
     if norm != "none":
         kwargs["norm_eps"] = 1e-6
         if norm == "weighted":
-            kwargs["norm_weight"] = (torch.rand(d, generator=g, device=DEV) + 0.5).bfloat16()
+            kwargs["norm_weight"] = (torch.rand(d, generator=g, device=DEV) + 0.5).to(dtype)
     return kwargs
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _producer_x(batch, heads, n, d, g, layout, dtype):
+    """x [B,H,N,D] of ``dtype`` as a producer leaves it: a transposed view of [B,N,H,D], contiguous, or (odd_offset)
+    a view whose channel pairs straddle words (storage offset 1: the interleaved kernels read pairs as words, so the
+    op must copy x first)."""
+    if layout == "odd_offset":
+        wide = torch.randn(batch, n, heads, d + 2, generator=g, device=DEV) * 3
+        return wide.to(_DTYPES[dtype])[..., 1:d + 1].transpose(1, 2)
+    return _layout_x(batch, heads, n, d, g, layout).to(_DTYPES[dtype])
 
 
 def _cpu_kwargs(kwargs):
@@ -94,21 +111,27 @@ def _assert_near_quantized(x8, scale, ref8, ref_scale, exact):
     torch.testing.assert_close(scale, ref_scale, rtol=4 * 2**-23, atol=0)
 
 
-@settings(max_examples=24, deadline=None)
-@given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 63, 65, 200, 1000]),
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.sampled_from([1, 2, 3, 4, 8]), n=st.sampled_from([1, 63, 65, 200, 1000]),
        d=st.sampled_from([64, 128]), interleaved=st.booleans(), four_tables=st.booleans(),
        norm=st.sampled_from(["none", "plain", "weighted"]), with_mean=st.booleans(), thread_groups=st.booleans(),
+       layout=st.sampled_from(["bnhd", "bhnd", "odd_offset"]), dtype=st.sampled_from(sorted(_DTYPES)),
        seed=st.integers(0, 2**16))
 @example(batch=1, heads=1, n=1, d=64, interleaved=True, four_tables=False, norm="weighted", with_mean=False,
-         thread_groups=True, seed=0)
+         thread_groups=True, layout="bnhd", dtype="bf16", seed=0)
+@example(batch=2, heads=3, n=65, d=128, interleaved=True, four_tables=False, norm="weighted", with_mean=True,
+         thread_groups=False, layout="odd_offset", dtype="fp32", seed=1)
+@example(batch=1, heads=2, n=200, d=64, interleaved=True, four_tables=True, norm="none", with_mean=False,
+         thread_groups=True, layout="bhnd", dtype="fp16", seed=2)
 def test_rope_quantize_with_qk_norm_and_interleaved_pairs(batch, heads, n, d, interleaved, four_tables, norm,
-                                                          with_mean, thread_groups, seed):
+                                                          with_mean, thread_groups, layout, dtype, seed):
     """The producers beyond the half-split rotary (interleaved channel pairs, an RMS norm first) against the CPU
-    reference: bit-equal without a norm, within the norm's summation order with one."""
+    reference: bit-equal without a norm, within the norm's summation order with one; x in each float type, and in
+    layouts whose channel pairs are or are not whole words."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    x = _layout_x(batch, heads, n, d, g, "bnhd")
+    x = _producer_x(batch, heads, n, d, g, layout, dtype)
     tables = _interleaved_tables(batch, heads, n, d, g) if four_tables else _tables(batch, heads, n, d, g, "half")
-    kwargs = _producer(d, g, interleaved, norm)
+    kwargs = _producer(d, g, interleaved, norm, _DTYPES[dtype])
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
     if with_mean and n == 1 and norm == "none":  # the all-zero row (with a norm the kernel's r is the reference's
         mean = prep.rope_reference(x, tables, **kwargs).float().contiguous()  # only to a few ulps: no zero row)
