@@ -28,6 +28,10 @@ NEVER = math.inf
 #   e2e_bench_d128_h200_s22.json, e2e_bench_4k_h100_s23.json, e2e_bench_4k_h200_s23.json; interleaved rounds), per-token
 #   D=128 at 4K: H100 1.03 (3 rounds), 1.04 (2); H200 1.06 (2), 1.05 (3) — ahead in every run → non-causal from 4K.
 #   Causal 4K: H100 0.99 (4 rounds, s23), H200 1.00 (s22), 1.02 (s23) — not ahead: causal stays 8K.
+# Session 25, the other producers the fused prep absorbs (bench/producers_bench.py, 3 rounds, D=128 non-causal 4K;
+#   docs/results/producers_bench_s25.md), per-token K: interleaved rotary H200 0.99 and 1.02 (two calls), H100 1.03;
+#   QK-norm + rotate_half H200 1.02, H100 1.05; QK-norm + interleaved H200 1.19, H100 1.14 — level (inside the
+#   spread) or ahead: one table for every producer form.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
