@@ -516,6 +516,55 @@ def _session23() -> list:
     return lines
 
 
+def _producers_table(data, name) -> list:
+    """bench/producers_bench.py: speed-up over backend="inductor" per producer form (per-token K, per_thread K, the
+    generic prep)."""
+    lines = [f"### {data['device']}, torch {data['torch']}, triton {data['triton']}, {data['rounds']} rounds (`{name}`)",
+             "", "| producer | D | causal | N | inductor ms | sage | sage per_thread | generic prep |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['producer']} | {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_ms']:.3f} | "
+              f"{r['speedup_sage']:.2f} | {r['speedup_sage_pt']:.2f} | {r['speedup_generic']:.2f} |" for r in data["rows"]]
+    return lines + [""]
+
+
+def _session25() -> list:
+    """Session 25: the producers the fused prep absorbs (interleaved pairs read as words, fp32 tables shared by four
+    heads), the heads-per-program A/B, and the stage-unrolled sm90 loop (not merged)."""
+    lines = []
+    runs = [(n, _load(n)) for n in ("producers_bench_h200_s25.json", "producers_bench_h100_s25.json",
+                                    "producers_bench_h200_s24.json")]
+    if any(d for _, d in runs):
+        lines += ["## Producers the fused prep absorbs, end to end (sessions 24-25)", "",
+                  "`python -m bench.producers_bench --rounds 3`: B·N = 16K tokens, H=16, D=128; speed-up over "
+                  "backend=\"inductor\" (the producer by Inductor + cuDNN SDPA). half = half-split rotary, bf16 half "
+                  "tables; interleaved = diffusers' channel-pair rotary, fp32 tables repeated per pair in the block; "
+                  "qknorm_half = RMSNorm + rotate_half (Qwen3); qknorm_interleaved = RMSNorm + interleaved (Flux/SD3). "
+                  "Session 24's run is kept for comparison: its interleaved kernels split a [rows, D/2, 2] tile "
+                  "(shared-memory layout conversions); session 25 reads each channel pair as one word and fp32 "
+                  "tables once for 4 heads (`producers_bench_s25.md`, `gpu_runs_s25.md`).", ""]
+        for name, data in runs:
+            if data:
+                lines += _producers_table(data, name)
+    heads = [(n, _load(n)) for n in ("table_heads_h200_s25.json", "table_heads_h100_s25.json")]
+    for name, data in heads:
+        if not data:
+            continue
+        lines += [f"### Heads per quantize program — {data['device']}, torch {data['torch']} (`{name}`)", "",
+                  "`tools/ab/table_heads.py`: the rope quantize kernel with each tile's tables read once for 1, 2, 4 "
+                  "or 8 heads; GPU µs (median of 3 input sets, CUDA graph); every output bit-equal to one head a "
+                  "program.", "", "| D | N | producer | kernel | tiles | µs by heads a program |", "|---|---|---|---|---|---|"]
+        cells = {}
+        for r in data["rows"]:
+            cells.setdefault((r["d"], r["n"], r["form"], r["kind"], r["tiles"]), []).append(r)
+        for (d, n, form, kind, tiles), rows in cells.items():
+            lines.append(f"| {d} | {n} | {form} | {kind} | {tiles} | "
+                         + ", ".join(f"{r['heads']}: {r['us']:.1f}" for r in rows) + " |")
+        lines.append("")
+    lines += _builds_table("sm90_stage_unroll_ab_h200_s25.json",
+                           "sm90 one-warpgroup loop unrolled by stage (session 25, not merged)")
+    return lines
+
+
 def _plot_models(runs, path) -> bool:
     """Bar chart: each model's speed-up over backend="inductor" (per-token and per_thread K) on each device; models
     where no site was replaced (the thresholds kept SDPA: the same generated code as inductor) are left out."""
@@ -645,6 +694,7 @@ def main() -> int:
     lines += _session21()
     lines += _session22()
     lines += _session23()
+    lines += _session25()
     e2e_s10 = _load("e2e_bench_h200_s10.json")
     if e2e_s10:
         lines += _e2e_table(e2e_s10, "End to end after the pair epilogue (session 10)") + [
