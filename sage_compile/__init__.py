@@ -15,8 +15,9 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
 from .api import compile, sage_attention  # noqa: E402
 from .config import SageConfig  # noqa: E402
 from .explain import explain  # noqa: E402
+from .scheme import Scheme  # noqa: E402
 from .sites import Site, SiteReport, UnsupportedAttentionError  # noqa: E402
 
-__all__ = ["SageConfig", "compile", "sage_attention", "explain", "Site", "SiteReport",
+__all__ = ["SageConfig", "Scheme", "compile", "sage_attention", "explain", "Site", "SiteReport",
            "UnsupportedAttentionError"]
 __version__ = "0.1.0"

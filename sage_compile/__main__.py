@@ -11,6 +11,8 @@ def doctor(_args) -> int:
     import torch
 
     from . import dispatch, spec
+    from .kernels import KernelSite
+    from .scheme import Scheme
 
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
     print("kernel preference: " + " > ".join(n.rsplit(".", 1)[-1] for n in dispatch.kernel_order())
@@ -32,7 +34,8 @@ def doctor(_args) -> int:
             label += f" {torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]}"
         for head_dim in (64, 128):
             for pv in spec.PV_DTYPES:  # fp8 (the default) and fp16 (SageConfig(pv="fp16"))
-                kernel, reasons = dispatch.kernel_for_site(device, spec.padded_head_dim(head_dim), pv, torch.bfloat16)
+                site = KernelSite(Scheme(pv=pv), device, torch.bfloat16, spec.padded_head_dim(head_dim))
+                kernel, reasons = dispatch.kernel_for_site(site)
                 print(f"{label}: head_dim {head_dim} bf16 pv={pv} → {kernel or 'SDPA (no sage kernel)'}  {reasons or ''}")
     return 0
 

@@ -3,46 +3,43 @@ sage_compile``): the backend, ``sage_attention`` and the tests import it.
 
 * ``sage::attention`` — CompositeImplicitAutograd: AOTAutograd (and eager mode) decompose it into the
   prep in aten ops (``spec.prepare``) followed by ``sage::quantized_attention``, so Inductor can fuse the
-  prep into whatever produced q/k/v.
+  prep into whatever produced q/k/v. Where its inputs require grad the same forward runs inside
+  ``autograd.AttentionFunction``, whose backward the config's ``backward`` family computes.
 * ``sage::rope_attention`` — the same for q, k made by a rotary, half-split or interleaved, optionally after a
   per-head RMS norm (placed by passes/absorb_rope.py): the producer goes into a fused prep
   (``sage_compile/prep.py``: ``sage::rope_mean``, ``sage::rope_quantize``, Triton on CUDA) instead of Inductor's
   generic fusion.
 * ``sage::quantized_attention`` — opaque; its implementation is chosen per device by ``dispatch``.
-* ``sage::rope_q_attention`` — the same with Q given before its rotary: opt-in (SAGE_Q_PROLOGUE=1,
-  ``prep.q_prologue_reason``), sage.rope_attention leaves Q's rotary and quantization to the sm90 kernel's prologue.
+
+The numerics travel as one string argument: ``config`` (a ``SageConfig.op_key()``: the scheme and the
+fallback policy) on the attention ops, ``scheme`` (``Scheme.encode()``) on the quantized op — so no schema or
+signature here restates a scheme field.
 """
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import dispatch, prep, spec
+from . import autograd, dispatch, prep, spec
 from .config import SageConfig
 from .kernels import KernelArgs
+from .scheme import Scheme
 from .sites import UnsupportedAttentionError
 from .support import AttentionCall, sdpa_is_faster, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
-# SageConfig's op fields (config.op_kwargs), in its field order: both attention ops take them after SDPA's arguments
-_CONFIG_ARGS = (
-    "str qk='int8', str q_granularity='per_token', str k_granularity='per_token', int q_block=128, int k_block=64, "
-    "bool smooth_k=True, bool smooth_q=False, bool smooth_v=False, str pv='fp8', int k_mean_sample=512, "
-    "str fallback='sdpa', int? min_seq_len=None, bool allow_fp32=False"
-)
 _SDPA_ARGS = "Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, int causal=0, bool enable_gqa=False"
-
-_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, {_CONFIG_ARGS}, Tensor? kv_lens=None) -> Tensor")
 _ROPE_PRODUCER_ARGS = ("bool interleaved=False, Tensor? q_norm_weight=None, float? q_norm_eps=None, "
                        "Tensor? k_norm_weight=None, float? k_norm_eps=None")
+_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, str config='', Tensor? kv_lens=None) -> Tensor")
 _LIB.define(f"rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, {_SDPA_ARGS}, "
-            f"{_CONFIG_ARGS}, Tensor? kv_lens=None, {_ROPE_PRODUCER_ARGS}) -> Tensor")
+            f"str config='', Tensor? kv_lens=None, {_ROPE_PRODUCER_ARGS}) -> Tensor")
 
 
 def check_attention_inputs(q, k, v) -> None:
@@ -60,46 +57,41 @@ def check_attention_inputs(q, k, v) -> None:
 
 @torch.library.impl(_LIB, "attention", "CompositeImplicitAutograd")
 def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, causal=0, enable_gqa=False,
-                             qk="int8", q_granularity="per_token", k_granularity="per_token", q_block=128,
-                             k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8", k_mean_sample=512,
-                             fallback="sdpa", min_seq_len=None, allow_fp32=False, kv_lens=None):
-    """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported.
-    (The dispatcher passes what the caller passed, positionally or not: the defaults repeat the schema.)"""
-    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
-                     k_mean_sample, fallback, min_seq_len, allow_fp32)
-    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens)
+                             config="", kv_lens=None):
+    """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported."""
+    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, SageConfig.from_op_key(config),
+                         kv_lens)
 
 
 @torch.library.impl(_LIB, "rope_attention", "CompositeImplicitAutograd")
 def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None, dropout_p=0.0, scale=None, causal=0,
-                                  enable_gqa=False, qk="int8", q_granularity="per_token", k_granularity="per_token",
-                                  q_block=128, k_block=64, smooth_k=True, smooth_q=False, smooth_v=False, pv="fp8",
-                                  k_mean_sample=512, fallback="sdpa", min_seq_len=None, allow_fp32=False,
-                                  kv_lens=None, interleaved=False, q_norm_weight=None, q_norm_eps=None,
-                                  k_norm_weight=None, k_norm_eps=None):
+                                  enable_gqa=False, config="", kv_lens=None, interleaved=False, q_norm_weight=None,
+                                  q_norm_eps=None, k_norm_weight=None, k_norm_eps=None):
     """sage.attention(rope(xq), rope(xk), v) with the producers — rotary (``interleaved``: channel pairs), and an RMS
     norm before it where ``q_norm_eps`` / ``k_norm_eps`` is given — fused into the prep (sage_compile/prep.py);
-    placed by passes/absorb_rope.py. Inputs the fused prep does not take go through sage.attention's own
-    path on the rotated q and k (computed in aten here, in the model's channel order; dead code, removed, when the
-    fused prep runs)."""
-    config = _config(qk, q_granularity, k_granularity, q_block, k_block, smooth_k, smooth_q, smooth_v, pv,
-                     k_mean_sample, fallback, min_seq_len, allow_fp32)
+    placed by passes/absorb_rope.py. Inputs the fused prep does not take, and inputs that require grad (the
+    fused prep has no backward; the aten rotary does), go through sage.attention's own path on the rotated q
+    and k (computed in aten here, in the model's channel order; dead code, removed, when the fused prep runs)."""
+    config = SageConfig.from_op_key(config)
     q_norm = None if q_norm_eps is None else (q_norm_weight, q_norm_eps)
     k_norm = None if k_norm_eps is None else (k_norm_weight, k_norm_eps)
     q = prep.rope_model_order(xq, q_tables, interleaved, q_norm_weight, q_norm_eps).to(xq.dtype)
     k = prep.rope_model_order(xk, k_tables, interleaved, k_norm_weight, k_norm_eps).to(xk.dtype)
-    quant = config.quantization()
     fused = None
-    if prep.fast_path_reason(xq, xk, quant, kv_lens) is None:
-        q_in_kernel = prep.q_prologue_reason(xq, q_tables, quant, attn_mask, interleaved, q_norm) is None
-        fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=quant,
-                                  q_in_kernel=q_in_kernel, interleaved=interleaved, q_norm=q_norm, k_norm=k_norm)
+    if prep.fast_path_reason(xq, xk, config.scheme, kv_lens) is None and not _needs_grad(q, k, v):
+        fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=config.scheme,
+                                  interleaved=interleaved, q_norm=q_norm, k_norm=k_norm)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, prepare=None):
     """The prep (``prepare(scale)`` when given, else spec.prepare in aten) + sage.quantized_attention where
-    supported and faster; else F.sdpa — reported, or raised with fallback='error'."""
+    supported and faster — through ``autograd.AttentionFunction`` where an input requires grad; else F.sdpa,
+    reported, or raised with fallback='error'."""
     check_attention_inputs(q, k, v)
     if causal not in spec.CAUSAL_NAMES:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
@@ -114,32 +106,24 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _needs_grad(q, k, v):
+        torch._dynamo.utils.counters["sage"]["with_backward"] += 1
+        return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config)
+    return sage_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)
+
+
+def sage_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme, prepare=None):
+    """The 8-bit attention itself: the prep, then sage.quantized_attention (out in q's layout)."""
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
     else:
-        p = spec.prepare(q, k, v, scale, config.quantization(), kv_lens, v_prep=prep.prepare_v)
-    if p.q_rope is not None:  # (no mask, ΔS or kv_lens: prep.q_prologue_reason, fast_path_reason)
-        torch._dynamo.utils.counters["sage"]["q_rope_in_kernel"] += 1
-        tables, q_out_scale = p.q_rope
-        out, _ = torch.ops.sage.rope_q_attention(p.q, tables, q_out_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean,
-                                                 causal, q.shape[-1], q.dtype, p.k_thread_groups)
-        return out
+        p = spec.prepare(q, k, v, scale, scheme, kv_lens, v_prep=prep.prepare_v)
     out, _ = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), p.q_group, causal, q.shape[-1], q.dtype,
-        p.k_thread_groups,
+        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, scheme.encode(),
     )
     return out
-
-
-_CONFIG_FIELDS = tuple(SageConfig().op_kwargs())  # the names of _CONFIG_ARGS, in order
-
-
-@functools.lru_cache(maxsize=64)
-def _config(*fields) -> SageConfig:
-    """The decomposition runs on every eager call: build (and validate) each distinct config once."""
-    return SageConfig(**dict(zip(_CONFIG_FIELDS, fields)))
 
 
 def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):
@@ -183,10 +167,9 @@ def _empty_outputs(q, k, head_dim, out_dtype):
 
 
 def _no_grad_inputs(op: str, *tensors) -> None:
-    """The quantized ops have no backward. They are registered without an autograd kernel (``_define_op``), so under
-    grad mode torch would record a graph through their launches: refuse inputs that require grad instead of letting a
-    backward pass return wrong gradients. (sage.attention never passes them: support.unsupported_reason sends such
-    calls to SDPA.)"""
+    """The quantized op has no derivative of its own (sage.attention's backward is ``autograd.AttentionFunction``).
+    It is registered without an autograd kernel (``_define_op``), so under grad mode torch would record a graph
+    through its launch: refuse inputs that require grad instead of letting a backward pass return wrong gradients."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(f"sage::{op} has no backward: its inputs must not require grad")
 
@@ -195,9 +178,8 @@ def _define_op(tags=()):
     """Registers the decorated function as ``sage::<its name>`` (schema from its annotations) with its one
     implementation for every device (CompositeExplicitAutograd) — the dispatcher then calls it directly.
     ``torch.library.custom_op`` would add, on every call, a Python autograd kernel, a redispatch and an
-    output-aliasing check: the op took 60 µs with it, 48 without, on CI's CPU (session 20; on the H100 machine's shared host CPU the
-    difference was within run-to-run noise, tools/host_overhead.py). Returns the function; the fake (meta)
-    implementation is registered with torch.library.register_fake."""
+    output-aliasing check (on CI's CPU the op took 60 µs with it, 48 without). Returns the function; the fake
+    (meta) implementation is registered with torch.library.register_fake."""
     def define(fn):
         _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()), tags=tags)
         _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
@@ -210,71 +192,20 @@ def quantized_attention(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor],
     delta_s: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-    q_group: int, causal: int, head_dim: int, out_dtype: torch.dtype, k_thread_groups: bool = False,
+    causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores).
-    ``k_thread_groups``: k_scale is constant over each per_thread key group (k_granularity='per_thread');
-    a kernel may then read one δK per group."""
+    """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores). ``scheme``
+    (``Scheme.encode()``) says how the operands were quantized; ``spec.Prepared`` what each holds."""
     _no_grad_inputs("quantized_attention", q_scale, k_scale, v, v_scale, v_mean, delta_s, attn_mask)
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
-    args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens,
-                      q_group, causal, head_dim, out_dtype, attn_mask, k_thread_groups)
     if q.shape[2] == 0:
         return out, lse
+    args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim,
+                      out_dtype, Scheme.decode(scheme))
     dispatch.run(args, out, lse)
     return out, lse
-
-
-@_define_op()
-def rope_q_attention(
-    xq: torch.Tensor, q_tables: List[torch.Tensor], q_out_scale: float, k: torch.Tensor, k_scale: torch.Tensor,
-    v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], causal: int, head_dim: int,
-    out_dtype: torch.dtype, k_thread_groups: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantized_attention`` with q = rope(xq) quantized per token — ``prep.rope_quantize_reference(xq, q_tables,
-    None, q_out_scale)`` — done by the sm90 kernel's prologue (no int8 Q in memory; xq in any layout with its head
-    dim contiguous, so no ``needs_contiguous_strides``). Where the kernel cannot take these inputs at run time
-    (``sm90.supports_rope_q``) the prep's Q step runs first and the dispatcher picks the kernel, counted in
-    ``counters["sage"]["q_rope_outside_kernel"]`` with the reason warned once."""
-    _no_grad_inputs("rope_q_attention", xq, *q_tables, k_scale, v, v_scale, v_mean)
-    out, lse = _empty_outputs(xq, k, head_dim, out_dtype)
-    if xq.shape[2] == 0:
-        return out, lse
-    args = KernelArgs(xq, None, k, k_scale, v, v_scale, v_mean, None, None, 128, causal, head_dim, out_dtype,
-                      None, k_thread_groups)
-    reason = _rope_q_kernel_reason(args, q_tables)
-    if reason is None:
-        from .kernels import sm90
-
-        sm90.run_rope_q_supported(args, q_tables, q_out_scale, out, lse)
-        return out, lse
-    torch._dynamo.utils.counters["sage"]["q_rope_outside_kernel"] += 1
-    if reason not in _reported_fallbacks:
-        _reported_fallbacks.add(reason)
-        warnings.warn(f"sage.rope_q_attention: Q's rotary ran in the prep's kernel, not the attention kernel's "
-                      f"prologue: {reason}", stacklevel=2)
-    args.q, args.q_scale = prep.rope_quantize_op(xq, q_tables, None, q_out_scale)
-    dispatch.run(args, out, lse)
-    return out, lse
-
-
-def _rope_q_kernel_reason(args: KernelArgs, q_tables) -> Optional[str]:
-    if not args.device.type == "cuda":
-        return f"the sm90 kernel runs on CUDA (got {args.device.type})"
-    if "sage_compile.kernels.sm90" not in dispatch.kernel_order():
-        return "SAGE_KERNELS leaves out sm90"
-    sm90 = dispatch._load("sage_compile.kernels.sm90")
-    if sm90 is None:
-        return "the sm90 extension is not built"
-    return sm90.supports_rope_q(args, q_tables)
-
-
-@torch.library.register_fake("sage::rope_q_attention")
-def _(xq, q_tables, q_out_scale, k, k_scale, v, v_scale, v_mean, causal, head_dim, out_dtype, k_thread_groups=False):
-    return _empty_outputs(xq, k, head_dim, out_dtype)
 
 
 @torch.library.register_fake("sage::quantized_attention")
-def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, q_group, causal, head_dim,
-      out_dtype, k_thread_groups=False):
+def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim, out_dtype, scheme):
     return _empty_outputs(q, k, head_dim, out_dtype)

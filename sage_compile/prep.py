@@ -8,7 +8,7 @@ rotary (and an RMS norm before it), the site becomes ``sage.rope_attention``, wh
 kernels on CUDA:
 
 * ``sage::rope_mean(x, tables, sample)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing):
-  over spec's sample of ``sample`` keys where N is larger (``Quantization.k_mean_sample``), else one read of
+  over spec's sample of ``sample`` keys where N is larger (``Scheme.k_mean_sample``), else one read of
   x; split over token ranges, partial sums added in a fixed order (deterministic).
 * ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups)`` — rope(x) − μ, per-token amax (or per
   spec's per_thread K groups), int8 with
@@ -41,7 +41,6 @@ implementation; the Triton kernels agree with it exactly (each product rounded o
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -85,28 +84,21 @@ def rope_model_order(x: torch.Tensor, tables: Sequence[torch.Tensor], interleave
     return torch.stack([r1, r2], dim=-1).flatten(-2) if interleaved else torch.cat([r1, r2], dim=-1)
 
 
-def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Quantization,
-                 q_in_kernel: bool = False, interleaved: bool = False, q_norm=None, k_norm=None) -> spec.Prepared:
+def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Scheme, interleaved: bool = False,
+                 q_norm=None, k_norm=None) -> spec.Prepared:
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
-    [B,H,N,D]); only for what ``fast_path_reason`` accepts. ``q_in_kernel`` (``q_prologue_reason`` is None): Q's
-    step is left to the attention kernel — the result's q is xq and q_rope says how to rotate and quantize it.
-    ``interleaved``, ``q_norm`` / ``k_norm`` ((weight or None, eps) or None): the producers (``rope_halves``)."""
-    thread_groups = quant.k_granularity == "per_thread"
+    [B,H,N,D]); only for what ``fast_path_reason`` accepts. ``interleaved``, ``q_norm`` / ``k_norm`` ((weight or
+    None, eps) or None): the producers (``rope_halves``)."""
     q_producer = dict(interleaved=interleaved, **_norm_kwargs(q_norm))
     k_producer = dict(interleaved=interleaved, **_norm_kwargs(k_norm))
     # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
-    # does the same); Q first, so nothing runs between the two (not A/B'd against forward order)
-    if q_in_kernel:
-        q8, q_scale, q_rope = xq, None, (list(q_tables), scale * spec.LOG2E)
-    else:
-        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
-        q_rope = None
+    # does the same); Q first, so nothing runs between the two
+    q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
     k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
-    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, thread_groups, **k_producer)
+    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
     v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
-                         delta_s=None, q_group=quant.q_block, lse_shift=None, k_thread_groups=thread_groups,
-                         q_rope=q_rope)
+                         delta_s=None, scheme=quant)
 
 
 def _norm_kwargs(norm) -> dict:
@@ -114,28 +106,7 @@ def _norm_kwargs(norm) -> dict:
     return dict(norm_weight=None, norm_eps=None) if norm is None else dict(norm_weight=norm[0], norm_eps=float(norm[1]))
 
 
-def q_prologue_reason(xq, q_tables, quant: spec.Quantization, attn_mask, interleaved: bool = False,
-                      q_norm=None) -> Optional[str]:
-    """Why Q's rotary and quantization stay in the prep's own kernel rather than in the sm90 attention kernel's
-    prologue (None: sage.rope_q_attention takes raw Q). Opt-in, SAGE_Q_PROLOGUE=1: measured on the H100 in session
-    16 it was no faster (docs/results/q_prologue_ab_h100_s16.json: the prologue's ~700 instructions per thread at
-    D=128 cost the issue-bound kernel about what the Q kernel cost; per-token δK lost 4-7%, its kernel spilling
-    more). With the switch on, every site that passes these checks is routed; where the sm90 kernel cannot take
-    the inputs at run time (another GPU, strides) the op runs the prep's Q step itself, warned and counted."""
-    if os.environ.get("SAGE_Q_PROLOGUE", "").strip() != "1":
-        return "Q's rotary in the kernel's prologue is opt-in (SAGE_Q_PROLOGUE=1): measured no faster"
-    if interleaved or q_norm is not None:
-        return "Q's rotary in the kernel is the half-split form with no QK-norm"
-    if quant.pv != "fp8" or attn_mask is not None:
-        return "Q's rotary in the kernel runs with e4m3 PV and no attn_mask"
-    if xq.dtype not in (torch.bfloat16, torch.float16):
-        return f"Q's rotary in the kernel reads bf16 or fp16 Q (got {xq.dtype})"
-    if len({t.dtype for t in q_tables}) != 1 or q_tables[0].dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return "Q's rotary in the kernel reads four tables of one dtype (bf16, fp16 or fp32)"
-    return None
-
-
-def prepare_v(v: torch.Tensor, quant: spec.Quantization, kv_lens: Optional[torch.Tensor] = None):
+def prepare_v(v: torch.Tensor, quant: spec.Scheme, kv_lens: Optional[torch.Tensor] = None):
     """``spec.prepare_v``; on CUDA, for FP8 PV without smooth_v or kv_lens at a Triton head dim, as two
     Triton kernels (``sage::v_quantize``: δV's amax, then quantize + transpose; bit-equal to the spec)."""
     if (v.is_cuda and HAS_TRITON and quant.pv == "fp8" and not quant.smooth_v and kv_lens is None
@@ -145,7 +116,7 @@ def prepare_v(v: torch.Tensor, quant: spec.Quantization, kv_lens: Optional[torch
     return spec.prepare_v(v, quant, kv_lens)
 
 
-def fast_path_reason(xq, xk, quant: spec.Quantization, kv_lens) -> Optional[str]:
+def fast_path_reason(xq, xk, quant: spec.Scheme, kv_lens) -> Optional[str]:
     """Why the fused rope prep cannot serve these inputs (None: it can)."""
     if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity == "per_block":
         return "fused rope prep does int8 with per-token Q and per-token or per-thread K only"
@@ -181,7 +152,7 @@ def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mea
     if mean is not None:
         r = r - mean
     amax = spec.group_amax(r, "per_thread" if thread_groups else "per_token", spec.THREAD_GROUP_KEYS)
-    x8, delta = spec.quantize_symmetric(r, amax, spec.QK_LEVELS["int8"])
+    x8, delta = spec.quantize_symmetric(r, amax, spec.Scheme().qk_type.max_level)
     return x8, delta * out_scale
 
 

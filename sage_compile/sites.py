@@ -23,13 +23,12 @@ class Site:
 def describe_site(name: str, call, reason: Optional[str], config, source: str) -> Site:
     """A Site for an AttentionCall (tensors may be fake); the kernel is looked up only when replaced."""
     from . import dispatch, spec
-    from .support import causal_mode
+    from .support import causal_mode, kernel_site
 
     tensor = isinstance(call.q, torch.Tensor)
     kernel = None
     if reason is None:
-        padded = spec.padded_head_dim(int(call.q.shape[-1]))
-        kernel, _ = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
+        kernel, _ = dispatch.kernel_for_site(kernel_site(call, config))
     return Site(
         name=name,
         replaced=reason is None,

@@ -42,7 +42,7 @@ def _shape(t) -> str:
 
 def unsupported_reason(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> Optional[str]:
     """None when sage can run ``call`` exactly as SDPA means it; otherwise why not (one sentence)."""
-    for check in (_check_arguments, _check_tensors, _check_heads, _check_mask, _check_grad, _check_kernel):
+    for check in (_check_arguments, _check_tensors, _check_heads, _check_mask, _check_kernel):
         reason = check(call, config, grad_enabled)
         if reason is not None:
             return reason
@@ -120,13 +120,7 @@ def _check_mask(call, config, grad_enabled):
         if not (statically_known_true(size == 1) or statically_known_true(size == target)):
             return f"attn_mask {tuple(mask.shape)} does not broadcast over {name} ({target})"
     if grad_enabled and mask.requires_grad:
-        return "attn_mask requires grad (a learned bias): sage has no backward yet"
-    return None
-
-
-def _check_grad(call, config, grad_enabled):
-    if grad_enabled and any(t.requires_grad for t in (call.q, call.k, call.v)):
-        return "inputs require grad: sage has no backward yet (8-bit training is on the roadmap)"
+        return "attn_mask requires grad (a learned bias): sage's backward gives no mask gradient"
     return None
 
 
@@ -140,33 +134,40 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
-        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.k_granularity, mask,
-                                           config.pv)
+        threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.scheme.k_granularity,
+                                           mask, config.scheme.pv)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
     if config.min_seq_len is not None:
         source = "min_seq_len"
     elif mask is not None:
-        measured_on = thresholds.MEASURED_PV16_ON if config.pv == "fp16" else thresholds.MEASURED_MASKED_ON
+        measured_on = thresholds.MEASURED_PV16_ON if config.scheme.pv == "fp16" else thresholds.MEASURED_MASKED_ON
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
-    elif config.pv == "fp16":
+    elif config.scheme.pv == "fp16":
         source = thresholds.MEASURED_PV16_ON
     else:
         source = f"measured on {thresholds.MEASURED_ON}"
     if threshold == thresholds.NEVER:
-        what = "mask" if mask is not None else "pv" if config.pv == "fp16" else "head dim/causality"  # tables only
+        what = "mask" if mask is not None else "pv" if config.scheme.pv == "fp16" else "head dim/causality"  # tables only
         return f"SDPA is faster here at every key length for this {what} ({source})"
     if n_k < threshold:
         return f"SDPA is faster here: key length {n_k} < {int(threshold)} ({source})"
     return None
 
 
+def kernel_site(call: AttentionCall, config: SageConfig):
+    """The KernelSite of a call the checks before ``_check_kernel`` accepted."""
+    from .kernels import KernelSite
+
+    return KernelSite(config.scheme, call.q.device, call.q.dtype, spec.padded_head_dim(concrete(call.q.shape[-1])),
+                      causal_mode(bool(call.is_causal)), isinstance(call.attn_mask, torch.Tensor))
+
+
 def _check_kernel(call, config, grad_enabled):
     from . import dispatch
 
-    padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
-    name, reasons = dispatch.kernel_for_site(call.q.device, padded, config.pv, call.q.dtype)
+    name, reasons = dispatch.kernel_for_site(kernel_site(call, config))
     if name is None or (name == "reference" and call.q.device.type != "cpu"):
         return f"no fast sage kernel for {call.q.device} ({reasons})"
     return None
@@ -179,5 +180,5 @@ def concrete(size) -> int:
 
 
 def causal_mode(is_causal: bool) -> int:
-    """SDPA's is_causal is top-left aligned (DESIGN.md); bottom-right is asked for explicitly."""
+    """SDPA's is_causal is top-left aligned; bottom-right is asked for explicitly."""
     return spec.CAUSAL_TOP_LEFT if is_causal else spec.CAUSAL_NONE

@@ -73,7 +73,7 @@ def targets(graphs):
     return [n.target for gm in graphs for n in gm.graph.nodes]
 
 
-def spec_output(q32, k32, v, causal, out_dtype, quant=spec.Quantization()):
+def spec_output(q32, k32, v, causal, out_dtype, quant=spec.Scheme()):
     """The spec on the fp32 rotary: spec.prepare + the reference kernel (what the fused path must equal)."""
     p = spec.prepare(q32, k32, v, q32.shape[-1] ** -0.5, quant)
     out, _ = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
@@ -98,7 +98,7 @@ def test_half_tables_form_is_absorbed_and_exact(hkv, group, n, d, causal, k_gran
     assert torch.ops.sage.rope_attention.default in found and torch.cat not in found  # rotary nodes removed
     q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
     k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    quant = spec.Quantization(k_granularity=k_granularity, k_mean_sample=k_mean_sample)
+    quant = spec.Scheme(k_granularity=k_granularity, k_mean_sample=k_mean_sample)
     assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
 
 
@@ -231,7 +231,7 @@ def interleaved_expected(xq, xk, v, tabs, causal=False, q_norm=(None, None), k_n
     """The spec on the fused prep's fp32 producers (xq/xk/v in attention layout)."""
     q32 = prep.rope_reference(xq, tabs, True, *q_norm)
     k32 = prep.rope_reference(xk, tabs, True, *k_norm)
-    return spec_output(q32, k32, v, int(causal), torch.bfloat16, quant or spec.Quantization())
+    return spec_output(q32, k32, v, int(causal), torch.bfloat16, quant or spec.Scheme())
 
 
 def test_interleaved_rotary_is_absorbed_and_exact():
@@ -288,7 +288,7 @@ def test_diffusers_qk_norm_and_interleaved_rotary(k_granularity):
     assert counters["sage"]["qk_norm_absorbed"] == 2 and counters["sage"]["fused_rope_prep"] == 1
     assert torch.rsqrt not in targets(graphs)  # the norms' nodes are gone with the rotary's
     tabs = [freqs.cos()[None, None], freqs.sin()[None, None]] * 2
-    quant = spec.Quantization(k_granularity=k_granularity)
+    quant = spec.Scheme(k_granularity=k_granularity)
     expected = interleaved_expected(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tabs,
                                     q_norm=(wq, 1e-6), k_norm=(wk, 1e-6), quant=quant)
     assert torch.equal(out, expected)
@@ -432,10 +432,10 @@ def test_reference_steps_are_the_spec_on_the_fp32_rotary():
 @pytest.mark.parametrize("reason_case", ["int4", "kv_lens", "d80"])
 def test_fast_path_reasons(reason_case):
     x = torch.empty(1, 2, 8, 80 if reason_case == "d80" else 64)
-    quant = spec.Quantization(qk="int4", smooth_q=True) if reason_case == "int4" else spec.Quantization()
+    quant = spec.Scheme(qk="int4", smooth_q=True) if reason_case == "int4" else spec.Scheme()
     kv_lens = torch.ones(1, dtype=torch.int64) if reason_case == "kv_lens" else None
     assert prep.fast_path_reason(x, x, quant, kv_lens) is not None
-    assert prep.fast_path_reason(torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 64), spec.Quantization(), None) is None
+    assert prep.fast_path_reason(torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 64), spec.Scheme(), None) is None
 
 
 @pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_thread")])
@@ -454,7 +454,7 @@ def test_q_rotary_routed_to_the_kernel_prologue_falls_back_exactly(causal, k_gra
     assert counters["sage"]["q_rope_in_kernel"] == 1 and counters["sage"]["q_rope_outside_kernel"] == 1
     q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
     k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    quant = spec.Quantization(k_granularity=k_granularity, k_mean_sample=16)
+    quant = spec.Scheme(k_granularity=k_granularity, k_mean_sample=16)
     assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
 
 
@@ -462,10 +462,10 @@ def test_q_prologue_reasons(monkeypatch):
     """Where Q's step stays in the prep: by default (opt-in switch), fp16 PV, a mask, fp32 Q, mixed table dtypes."""
     x = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
     tabs = [torch.empty(8, 32)] * 4
-    quant = spec.Quantization()
+    quant = spec.Scheme()
     assert "opt-in" in prep.q_prologue_reason(x, tabs, quant, None)
     monkeypatch.setenv("SAGE_Q_PROLOGUE", "1")
-    assert "e4m3 PV" in prep.q_prologue_reason(x, tabs, spec.Quantization(pv="fp16"), None)
+    assert "e4m3 PV" in prep.q_prologue_reason(x, tabs, spec.Scheme(pv="fp16"), None)
     assert "attn_mask" in prep.q_prologue_reason(x, tabs, quant, torch.ones(1, 1, 8, 8, dtype=torch.bool))
     assert "bf16 or fp16 Q" in prep.q_prologue_reason(x.float(), tabs, quant, None)
     assert "one dtype" in prep.q_prologue_reason(x, [tabs[0], tabs[0].bfloat16()] * 2, quant, None)

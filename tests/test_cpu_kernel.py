@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import random_qkv
-from sage_compile import spec
-from sage_compile.kernels import KernelArgs, cpu
+from sage_compile import scheme, spec
+from sage_compile import kernels
+from sage_compile.kernels import KernelArgs, check_inputs, cpu
 
 _C = cpu._C
 
@@ -110,12 +111,8 @@ def test_output_rounding_matches_torch_cast(dtype):
 # --------------------------------------------------------------------------------------------------
 # Whole attention against the oracle.
 # --------------------------------------------------------------------------------------------------
-_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens",
-           "q_group", "causal", "head_dim", "out_dtype")
-
-
 def _oracle(args: KernelArgs):
-    return spec.quantized_attention_reference(*(getattr(args, f) for f in _FIELDS), attn_mask=args.attn_mask)
+    return spec.quantized_attention_reference(**vars(args))
 
 
 def _run_cpu(args: KernelArgs, out=None, lse=None):
@@ -125,8 +122,7 @@ def _run_cpu(args: KernelArgs, out=None, lse=None):
         out = torch.full((batch, hq, n_q, args.head_dim), math.nan, dtype=args.out_dtype)
     if lse is None:
         lse = torch.full((batch, hq, n_q), math.nan)
-    assert cpu.supports(args) is None
-    cpu.run(args, out, lse)
+    kernels.run(cpu, args, out, lse)
     return out, lse
 
 
@@ -140,8 +136,8 @@ def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None, attn_mask=No
     keys = slice(0, n_k)
     return KernelArgs(
         p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., keys], p.v_scale, p.v_mean,
-        None if p.delta_s is None else p.delta_s[..., keys], kv_lens, p.q_group, causal, q.shape[-1], out_dtype,
-        attn_mask, p.k_thread_groups,
+        None if p.delta_s is None else p.delta_s[..., keys], kv_lens, attn_mask, causal, q.shape[-1], out_dtype,
+        p.scheme,
     )
 
 
@@ -211,10 +207,10 @@ def _problems(draw):
     hkv = draw(st.integers(1, 3))
     dp = draw(st.sampled_from([32, 64, 128, 256]))
     qk = draw(st.sampled_from(["int8", "int4"]))
-    quant = spec.Quantization(
+    quant = spec.Scheme(
         qk=qk,
-        q_granularity=draw(st.sampled_from(spec.Q_GRANULARITIES)),
-        k_granularity=draw(st.sampled_from(spec.GRANULARITIES)),
+        q_granularity=draw(st.sampled_from(scheme.Q_GRANULARITIES)),
+        k_granularity=draw(st.sampled_from(scheme.GRANULARITIES)),
         q_block=draw(st.integers(1, 160)),
         k_block=draw(st.integers(1, 160)),
         smooth_q=qk == "int4" or draw(st.booleans()),
@@ -271,7 +267,7 @@ _MASK_CASES = {
 def test_every_mask_kind_matches_oracle(case):
     q, k, v = random_qkv(2, 4, 2, 70, 150, 64, seed=11, k_bias=1.0)
     mask = _random_mask(batch=2, hq=4, n_q=70, n_k=150, seed=11, **_MASK_CASES[case])
-    quant = spec.Quantization(smooth_q=True, smooth_v=True, q_block=32)
+    quant = spec.Scheme(smooth_q=True, smooth_v=True, q_block=32)
     kv_lens = torch.tensor([150, 120], dtype=torch.int32)
     args = _prepared_args(q, k, v, quant, spec.CAUSAL_BOTTOM_RIGHT, torch.bfloat16, kv_lens, mask)
     out, lse = _run_cpu(args)
@@ -293,7 +289,7 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype):
     allowed[closed] = False
     allowed[0, 2, 10:20, :64] = False  # closed in the first key block only
     mask = allowed if dtype == torch.bool else torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)
-    args = _prepared_args(q, k, v, spec.Quantization(smooth_v=True), spec.CAUSAL_NONE, torch.float32,
+    args = _prepared_args(q, k, v, spec.Scheme(smooth_v=True), spec.CAUSAL_NONE, torch.float32,
                           attn_mask=mask)
     out, lse = _run_cpu(args)
     ref_out, ref_lse = _oracle(args)
@@ -307,7 +303,7 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype):
 def test_nan_in_one_query_row_stays_in_that_row(causal):
     q, k, v = random_qkv(2, 4, 2, 70, 90, 64, seed=3)
     q[1, 2, 37, 5] = math.nan
-    args = _prepared_args(q, k, v, spec.Quantization(), causal, torch.bfloat16)
+    args = _prepared_args(q, k, v, spec.Scheme(), causal, torch.bfloat16)
     out, lse = _run_cpu(args)
     _assert_matches_oracle(out, lse, *_oracle(args))
     assert out[1, 2, 37].isnan().all()
@@ -328,7 +324,7 @@ def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
 def test_strided_inputs_and_outputs_give_the_same_bits():
     q, k, v = random_qkv(2, 6, 2, 75, 140, 80, torch.float16, seed=5, k_bias=1.0)
     kv_lens = torch.tensor([140, 97], dtype=torch.int64)
-    quant = spec.Quantization(smooth_q=True, smooth_v=True, q_block=32, pv="fp16")
+    quant = spec.Scheme(smooth_q=True, smooth_v=True, q_block=32, pv="fp16")
     args = _prepared_args(q, k, v, quant, spec.CAUSAL_BOTTOM_RIGHT, torch.float16, kv_lens)
     expected_out, expected_lse = _run_cpu(args)
 
@@ -351,7 +347,7 @@ def test_fp32_output_and_rows_without_keys():
     q, k, v = random_qkv(1, 2, 1, 100, 40, 64, seed=9)
     kv_lens = torch.tensor([0], dtype=torch.int32)
     for lens, causal in ((None, spec.CAUSAL_BOTTOM_RIGHT), (kv_lens, spec.CAUSAL_NONE)):
-        args = _prepared_args(q, k, v, spec.Quantization(smooth_v=True), causal, torch.float32, lens)
+        args = _prepared_args(q, k, v, spec.Scheme(smooth_v=True), causal, torch.float32, lens)
         out, lse = _run_cpu(args)
         _assert_matches_oracle(out, lse, *_oracle(args))
         empty = lse == -math.inf  # bottom-right with Nq > Nk: the first 60 rows see no key
@@ -361,36 +357,49 @@ def test_fp32_output_and_rows_without_keys():
 
 def test_supports_names_what_it_cannot_run():
     q, k, v = random_qkv(1, 2, 1, 8, 8, 32, seed=0)
-    args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
-    assert cpu.supports(args) is None
+    args = _prepared_args(q, k, v, spec.Scheme(), 0, torch.bfloat16)
+    assert cpu.supports(args.site) is None and cpu.accepts(args) is None
+    assert "cuda" in cpu.supports(dataclasses.replace(args.site, device=torch.device("cuda")))
+
+
+def _contract_error(args) -> str:
+    batch, hq, n_q, _ = args.q.shape
+    out = torch.empty(batch, hq, n_q, args.head_dim, dtype=args.out_dtype)
+    with pytest.raises(ValueError) as err:
+        check_inputs(args, out, torch.empty(batch, hq, n_q))
+    return str(err.value)
+
+
+def test_the_contract_names_what_it_refuses():
+    """Tensors that do not match the scheme (dtypes, shapes) stop before any kernel runs, naming the argument."""
+    q, k, v = random_qkv(1, 2, 1, 8, 8, 32, seed=0)
+    args = _prepared_args(q, k, v, spec.Scheme(), 0, torch.bfloat16)
     for field, value in (("v", args.v.to(torch.bfloat16)), ("q_scale", args.q_scale.double()),
                          ("out_dtype", torch.float64), ("q", args.q.float()),
                          ("attn_mask", torch.zeros(1, 1, 8, 8, dtype=torch.float16)),
                          ("attn_mask", torch.ones(1, 1, 8, 8, dtype=torch.uint8))):
-        why_not = cpu.supports(dataclasses.replace(args, **{field: value}))
-        assert field in why_not, why_not
+        assert field in _contract_error(dataclasses.replace(args, **{field: value}))
+    assert "delta_s is missing" in _contract_error(dataclasses.replace(args, scheme=spec.Scheme(smooth_q=True)))
     for mask in (torch.ones(1, 2, 8, 8, dtype=torch.bool), torch.zeros(1, 1, 8, 8).expand(1, 2, 8, 8)):
-        assert cpu.supports(dataclasses.replace(args, attn_mask=mask)) is None
+        _run_cpu(dataclasses.replace(args, attn_mask=mask))
 
 
 def test_wrong_shapes_are_refused_before_the_kernel_runs():
     q, k, v = random_qkv(1, 2, 1, 8, 8, 32, seed=0)
-    args = _prepared_args(q, k, v, spec.Quantization(), 0, torch.bfloat16)
+    args = _prepared_args(q, k, v, spec.Scheme(), 0, torch.bfloat16)
     with pytest.raises(ValueError, match="k_scale"):
         _run_cpu(dataclasses.replace(args, k_scale=args.k_scale[..., :-1]))
     for shape in ((8, 8), (1, 8, 8), (1, 1, 1, 8, 8), (2, 1, 8, 8), (1, 3, 8, 8), (1, 1, 8, 7), (1, 2, 2, 8),
                   (1, 1, 8, 1)):
         bad = dataclasses.replace(args, attn_mask=torch.ones(shape, dtype=torch.bool))
-        assert "[B|1, Hq|1, Nq|1, Nk]" in cpu.supports(bad)  # the dispatcher moves on with this reason
-        with pytest.raises(ValueError, match=r"attn_mask .*\[B\|1, Hq\|1, Nq\|1, Nk\]"):
-            cpu.run(bad, torch.empty(1, 2, 8, 32, dtype=torch.bfloat16), torch.empty(1, 2, 8))  # and run refuses
+        assert "[B|1, Hq|1, Nq|1, Nk]" in _contract_error(bad)
     _run_cpu(dataclasses.replace(args, attn_mask=torch.ones(1, 2, 1, 8, dtype=torch.bool)))  # Nq|1: one row for all
 
 
 def test_faster_than_the_python_reference(capsys):
     """Timings only (the machine may be busy): printed, not asserted."""
     q, k, v = random_qkv(1, 8, 4, 1024, 1024, 128, seed=0)
-    args = _prepared_args(q, k, v, spec.Quantization(), spec.CAUSAL_NONE, torch.bfloat16)
+    args = _prepared_args(q, k, v, spec.Scheme(), spec.CAUSAL_NONE, torch.bfloat16)
 
     def best_of(fn, repeats=3):
         times = []

@@ -2,20 +2,20 @@
 import pytest
 import torch
 
-from sage_compile import dispatch, spec
+from sage_compile import dispatch, kernels, spec
 from sage_compile.kernels import KERNEL_MODULES, KernelArgs, mask_problem
 
 
 def _cpu_args(head_dim=64):
     q, k, v = (torch.randn(1, 2, 8, head_dim, dtype=torch.bfloat16) for _ in range(3))
-    p = spec.prepare(q, k, v, head_dim ** -0.5, spec.Quantization())
+    p = spec.prepare(q, k, v, head_dim ** -0.5, spec.Scheme())
     return KernelArgs.from_prepared(p, None, 0, head_dim, torch.bfloat16)
 
 
 def test_default_order_is_by_measured_speed():
     assert dispatch.kernel_order() == KERNEL_MODULES
     names = [n.rsplit(".", 1)[-1] for n in KERNEL_MODULES]
-    assert names.index("sm90") < names.index("triton")  # sm90 measured faster (docs/results/README.md)
+    assert names.index("sm90") < names.index("triton")  # sm90 measured faster at both head dims
 
 
 def test_sage_kernels_pins_order_and_rejects_unknown(monkeypatch):
@@ -23,9 +23,10 @@ def test_sage_kernels_pins_order_and_rejects_unknown(monkeypatch):
     assert [n.rsplit(".", 1)[-1] for n in dispatch.kernel_order()] == ["reference", "cpu"]
     module, _ = dispatch.choose(_cpu_args())
     assert module.NAME == "reference"
-    assert dispatch.kernel_for_site(torch.device("cpu"), 64, "fp8", torch.bfloat16)[0] == "reference"
+    site = _cpu_args().site
+    assert dispatch.kernel_for_site(site)[0] == "reference"
     monkeypatch.setenv("SAGE_KERNELS", "cpu")
-    assert dispatch.kernel_for_site(torch.device("cpu"), 64, "fp8", torch.bfloat16)[0] == "cpu"  # not cached across
+    assert dispatch.kernel_for_site(site)[0] == "cpu"  # not cached across
     monkeypatch.setenv("SAGE_KERNELS", "cpu,warp_drive")
     with pytest.raises(ValueError, match="warp_drive"):
         dispatch.kernel_order()
@@ -56,9 +57,19 @@ def test_sm90_refuses_cpu_tensors_when_built():
         from sage_compile.kernels import sm90
     except ImportError:  # the extension is built only where nvcc and a Hopper GPU (or SAGE_CUDA_ARCHS) exist
         pytest.skip("sage_compile._sm90 not built here")
-    assert "CUDA" in sm90.supports(_cpu_args())
+    assert "CUDA" in sm90.supports(_cpu_args().site)
     with pytest.raises(ValueError):
-        sm90.run(_cpu_args(), torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8))
+        kernels.run(sm90, _cpu_args(), torch.empty(1, 2, 8, 64, dtype=torch.bfloat16), torch.empty(1, 2, 8))
+
+
+def test_supports_is_pure_and_speaks_of_the_scheme():
+    """Each family decides from the site alone (no tensors): the reasons name the scheme's fields."""
+    from sage_compile.kernels import KernelSite, cpu, reference
+
+    site = KernelSite(spec.Scheme(), torch.device("cpu"), torch.bfloat16, 64)
+    assert cpu.supports(site) is None and reference.supports(site) is None
+    name, reasons = dispatch.kernel_for_site(site)
+    assert name == "cpu" and set(reasons) <= {"sm90", "triton"}
 
 
 def test_thresholds_follow_the_k_granularity(monkeypatch):

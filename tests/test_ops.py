@@ -15,25 +15,26 @@ from sage_compile import SageConfig, spec
 
 def _prepared_args(q, k, v, quant, kv_lens=None, causal=0):
     p = spec.prepare(q, k, v, q.shape[-1] ** -0.5, quant, kv_lens)
-    return (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, None, p.q_group,
-            causal, q.shape[-1], q.dtype)
+    return (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, None, causal,
+            q.shape[-1], q.dtype, quant.encode())
 
 
 def test_opcheck_quantized_attention():
     # fp16 PV: opcheck's schema test compares tensors with allclose, which fp8 tensors do not support
     q, k, v = random_qkv(1, 4, 2, 33, 70, 64, seed=0)
-    quant = spec.Quantization(pv="fp16", smooth_q=True, smooth_v=True)
+    quant = spec.Scheme(pv="fp16", smooth_q=True, smooth_v=True)
     kv_lens = torch.tensor([50], dtype=torch.int32)
     torch.library.opcheck(torch.ops.sage.quantized_attention, _prepared_args(q, k, v, quant, kv_lens, causal=1))
-    fp8 = _prepared_args(q, k, v, spec.Quantization())
+    fp8 = _prepared_args(q, k, v, spec.Scheme())
     torch.library.opcheck(torch.ops.sage.quantized_attention, fp8,
                           test_utils=("test_faketensor", "test_autograd_registration"))
 
 
 def test_quantized_op_refuses_inputs_that_require_grad():
     # registered without an autograd kernel (ops._define_op, for host time): a backward through it must not run
+    # (sage.attention's backward is autograd.AttentionFunction, around the whole forward)
     q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=3)
-    args = list(_prepared_args(q, k, v, spec.Quantization(pv="fp16")))
+    args = list(_prepared_args(q, k, v, spec.Scheme(pv="fp16")))
     args[5] = args[5].clone().requires_grad_()  # v_scale
     with pytest.raises(RuntimeError, match="no backward"):
         torch.ops.sage.quantized_attention(*args)
@@ -44,19 +45,19 @@ def test_quantized_op_refuses_inputs_that_require_grad():
 
 def test_quantized_ops_have_no_python_autograd_layer():
     # the dispatcher calls the implementation directly: no Python kernel on the Autograd key
-    for name in ("quantized_attention", "rope_q_attention"):
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"sage::{name}", "Autograd")
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sage::{name}", "CompositeExplicitAutograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("sage::quantized_attention", "Autograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("sage::quantized_attention", "CompositeExplicitAutograd")
 
 
 def test_opcheck_attention():
     q, k, v = random_qkv(2, 4, 2, 40, 40, 80, seed=1)
-    torch.library.opcheck(torch.ops.sage.attention, (q, k, v), {"causal": 1, "pv": "fp16", "enable_gqa": True})
+    config = SageConfig(pv="fp16").op_key()
+    torch.library.opcheck(torch.ops.sage.attention, (q, k, v), {"causal": 1, "config": config, "enable_gqa": True})
 
 
 def test_fake_output_matches_real_layout():
     q, k, v = random_qkv(2, 4, 2, 40, 50, 64, seed=2)
-    args = _prepared_args(q, k, v, spec.Quantization())
+    args = _prepared_args(q, k, v, spec.Scheme())
     real_out, real_lse = torch.ops.sage.quantized_attention(*args)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -73,10 +74,13 @@ def test_fake_output_matches_real_layout():
        layout=st.sampled_from(["bhnd", "bnhd"]))
 def test_sage_attention_op_equals_the_spec(shape, seed, causal, smooth_q, smooth_v, pv, layout):
     q, k, v = random_qkv(**shape, seed=seed, layout=layout)
-    quant = spec.Quantization(smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
-    out = torch.ops.sage.attention(q, k, v, causal=causal, enable_gqa=True, smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    quant = spec.Scheme(smooth_q=smooth_q, smooth_v=smooth_v, pv=pv)
+    out = torch.ops.sage.attention(q, k, v, causal=causal, enable_gqa=True, config=SageConfig(scheme=quant).op_key())
     ref = spec.reference_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, quant=quant)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # equal but for at most two final roundings one ulp apart (the C++ kernel's exp2 and fp16 P̂·V̂ sums may flip
+    # one: test_cpu_kernel's _MAX_FLIPS says why)
+    assert (out != ref).sum() <= 2
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
 
 
 def test_custom_scale_is_used():
@@ -109,13 +113,15 @@ def test_what_sdpa_accepts_but_sage_cannot_run_falls_back_to_sdpa():
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
     q, k, v = random_qkv(1, 2, 2, 8, 8, 64)
     with pytest.raises(sage_compile.UnsupportedAttentionError, match="4-D"):
-        torch.ops.sage.attention(q[0], k[0], v[0], fallback="error")
+        torch.ops.sage.attention(q[0], k[0], v[0], config="fallback=error")
 
 
 def test_bad_config_values_give_clear_errors():
     q, k, v = random_qkv(1, 2, 2, 8, 8, 64)
     with pytest.raises(ValueError, match="qk='int5'"):
-        torch.ops.sage.attention(q, k, v, qk="int5")
+        torch.ops.sage.attention(q, k, v, config="qk=int5")
+    with pytest.raises(ValueError, match="no option 'smoth_q'; did you mean 'smooth_q'"):
+        torch.ops.sage.attention(q, k, v, config="smoth_q=True")
     with pytest.raises(ValueError, match="causal=7"):
         torch.ops.sage.attention(q, k, v, causal=7)
 
@@ -153,8 +159,8 @@ def test_kv_lens_ignore_padded_keys():
     assert torch.equal(out, torch.ops.sage.attention(q, k2, v2, kv_lens=kv_lens))
     alone = torch.ops.sage.attention(q[:1], k[:1, :, :30], v[:1, :, :30])
     assert torch.equal(out[:1], alone)
-    lse = spec.quantized_attention_reference(*_prepared_args(q, k, v, spec.Quantization(), kv_lens)[:8], kv_lens,
-                                             128, 0, 64, q.dtype)[1]
+    args = _prepared_args(q, k, v, spec.Scheme(), kv_lens)
+    lse = spec.quantized_attention_reference(*args[:-1], spec.Scheme())[1]
     assert torch.isfinite(lse).all() and not math.isnan(lse.sum().item())
 
 
@@ -172,13 +178,15 @@ def test_fallback_keeps_kv_lens_and_bottom_right_causal(causal):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
-def test_attention_schemas_carry_every_config_field_with_its_default():
-    """sage.attention and sage.rope_attention take SageConfig's op fields (config.op_kwargs) in order, with the same
-    defaults: a field added to SageConfig but not to the schemas (or the other way round) fails here."""
-    fields = SageConfig().op_kwargs()
+def test_attention_schemas_carry_the_config_as_one_argument():
+    """The attention ops take the whole config as one string (SageConfig.op_key) and the quantized op the scheme
+    (Scheme.encode): no schema restates a field, and every field round-trips through the string."""
     for op in (torch.ops.sage.attention.default, torch.ops.sage.rope_attention.default):
         args = {a.name: a.default_value for a in op._schema.arguments}
-        names = list(args)
-        start = names.index("enable_gqa") + 1
-        assert names[start:start + len(fields)] == list(fields), op
-        assert all(args[name] == value for name, value in fields.items()), op
+        assert args["config"] == "" and not set(args) & set(sage_compile.scheme.FIELD_NAMES), op
+    assert "scheme" in {a.name for a in torch.ops.sage.quantized_attention.default._schema.arguments}
+    config = SageConfig(qk="int4", smooth_q=True, k_granularity="per_thread", q_block=64, smooth_v=True, pv="fp16",
+                        k_mean_sample=0, fallback="error", min_seq_len=0, allow_fp32=True)
+    assert SageConfig.from_op_key(config.op_key()) == config.replace(inner_backend="inductor", fuse_rope=True)
+    assert spec.Scheme.decode(config.scheme.encode()) == config.scheme
+    assert SageConfig().op_key() == "" and spec.Scheme().encode() == ""

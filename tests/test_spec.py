@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import attention_shapes, cosine, random_qkv, rel_l1
-from sage_compile import spec
+from sage_compile import scheme, spec
 
 
-@given(n=st.integers(1, 300), d=st.sampled_from([32, 64, 80]), granularity=st.sampled_from(spec.GRANULARITIES),
+@given(n=st.integers(1, 300), d=st.sampled_from([32, 64, 80]), granularity=st.sampled_from(scheme.GRANULARITIES),
        block=st.sampled_from([16, 64, 128]), levels=st.sampled_from([127, 7]), seed=st.integers(0, 2**16))
 def test_quantize_error_is_at_most_half_a_step(n, d, granularity, block, levels, seed):
     x = torch.randn(2, n, d, generator=torch.Generator().manual_seed(seed)) * 3
@@ -40,9 +40,9 @@ def test_per_thread_k_scales_keep_their_promise_with_kv_lens(n, length, seed):
     q, k, v = (torch.randn(2, 2, n, 64, generator=g) for _ in range(3))
     k[0, :, min(length, n):] *= 1000  # junk past batch 0's length
     lens = torch.tensor([min(length, n), n])
-    quant = spec.Quantization(k_granularity="per_thread", smooth_k=False)  # (μK's rounding depends on kv_lens)
+    quant = spec.Scheme(k_granularity="per_thread", smooth_k=False)  # (μK's rounding depends on kv_lens)
     p = spec.prepare(q, k, v, 0.125, quant, lens)
-    assert p.k_thread_groups
+    assert p.scheme.k_thread_groups
     spec.check_k_thread_groups(p.k_scale)
     if length > 0:
         valid = slice(0, min(length, n))
@@ -52,13 +52,13 @@ def test_per_thread_k_scales_keep_their_promise_with_kv_lens(n, length, seed):
         broken = p.k_scale.clone()
         broken[..., 1] *= 2
         with pytest.raises(ValueError, match="not constant"):
-            spec.quantized_attention_reference(p.q, p.q_scale, p.k, broken, p.v, p.v_scale, None, None, lens, 128,
-                                               0, 64, torch.float32, k_thread_groups=True)
+            spec.quantized_attention_reference(p.q, p.q_scale, p.k, broken, p.v, p.v_scale, None, None, lens, None,
+                                               0, 64, torch.float32, quant)
 
 
 def test_per_thread_is_a_k_granularity_only():
     with pytest.raises(ValueError, match="K granularity"):
-        spec.Quantization(q_granularity="per_thread")
+        spec.Scheme(q_granularity="per_thread")
 
 
 def test_e4m3_rounding_is_round_half_even_and_saturating():
@@ -76,7 +76,7 @@ def test_q_smoothing_delta_s_restores_unsmoothed_scores(shape, seed):
     |err| ≤ δK/2·‖q̃‖₁ + δQ/2·‖k̃‖₁ + 3·D·δQ·δK/4 (expand q̃ = q̂δQ + e_q, |e_q| ≤ δQ/2, same for k)."""
     q, k, v = random_qkv(**shape, seed=seed)
     q = q + 4.0  # a large Q offset is what smoothing removes
-    quant = spec.Quantization(smooth_q=True, q_block=32)
+    quant = spec.Scheme(smooth_q=True, q_block=32)
     scale = shape["d"] ** -0.5
     p = spec.prepare(q, k, v, scale, quant)
     d = shape["d"]
@@ -117,7 +117,7 @@ def test_without_k_smoothing_a_key_bias_costs_accuracy():
     q, k, v = random_qkv(1, 4, 4, 256, 256, 64, seed=3, k_bias=40.0)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
     smoothed = spec.reference_attention(q, k, v)
-    raw = spec.reference_attention(q, k, v, quant=spec.Quantization(smooth_k=False))
+    raw = spec.reference_attention(q, k, v, quant=spec.Scheme(smooth_k=False))
     assert rel_l1(smoothed, ref) < 0.5 * rel_l1(raw, ref)
 
 
@@ -175,9 +175,9 @@ def test_kernel_lse_plus_shift_is_sdpas_logsumexp(shape, seed, causal):
     natural-log LSE of the original scores, up to the INT8 score error (≤ a few 1e-2 here)."""
     q, k, v = random_qkv(**shape, seed=seed)
     scale = shape["d"] ** -0.5
-    p = spec.prepare(q, k, v, scale, spec.Quantization(), want_lse=True)
+    p = spec.prepare(q, k, v, scale, spec.Scheme(), want_lse=True)
     _, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean,
-                                                p.delta_s, None, p.q_group, causal, shape["d"], q.dtype)
+                                                p.delta_s, None, None, causal, shape["d"], q.dtype, p.scheme)
     group = shape["hq"] // shape["hkv"]
     scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2) * scale
     allowed = spec.causal_allowed(shape["n_q"], shape["n_k"], causal)
@@ -240,16 +240,16 @@ def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
     bias of 40σ the two δK agree within 10%, and the sampled output's error against fp32 is within 5% of the full
     mean's."""
     q, k, v = random_qkv(1, 4, 4, 256, 2048, 64, seed=11, k_bias=40.0)
-    full = spec.prepare(q, k, v, 0.125, spec.Quantization(k_mean_sample=0))
-    sampled = spec.prepare(q, k, v, 0.125, spec.Quantization())
-    assert spec.Quantization().k_mean_sample == 512
+    full = spec.prepare(q, k, v, 0.125, spec.Scheme(k_mean_sample=0))
+    sampled = spec.prepare(q, k, v, 0.125, spec.Scheme())
+    assert spec.Scheme().k_mean_sample == 512
     assert (full.k_scale / sampled.k_scale - 1).abs().max() < 0.1
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    err_full = rel_l1(spec.reference_attention(q, k, v, quant=spec.Quantization(k_mean_sample=0)), ref)
+    err_full = rel_l1(spec.reference_attention(q, k, v, quant=spec.Scheme(k_mean_sample=0)), ref)
     err_sampled = rel_l1(spec.reference_attention(q, k, v), ref)
     assert err_sampled < 1.05 * err_full
 
 
 def test_k_mean_sample_must_be_a_count():
     with pytest.raises(ValueError, match="k_mean_sample"):
-        spec.Quantization(k_mean_sample=-1)
+        spec.Scheme(k_mean_sample=-1)

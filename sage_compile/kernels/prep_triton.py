@@ -9,6 +9,7 @@ read whole token rows of a [B, N, H, D] tensor rather than one head's 256-byte s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,44 +20,52 @@ from torch.library import wrap_triton
 
 from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
-# Tiles and warps, measured on the H100 (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and 16K, fp32 tables;
-# tools/ab/prep_kernels.py --sweep, session 17, docs/results/prep_kernels_ab_*_s17.json): ~16 elements per thread.
-# Per-token quantize: until session 22, 32 tokens on 8 warps at D=128 (1.25-1.35× its floor; the old 64 on 8:
-# 1.57-1.65×), on 4 at D=64 (1.21-1.33×). Session 22, after the spec's quantization became a mul and an add
-# (tools/ab/prep_kernels.py --sweep, H100 and H200, 4K and 16K tokens, D=128 and 64; docs/results/prep_sweep_*_s22.json): 4 warps at both head dims (K with μ at D=128:
-# H100 37.5-38.8 µs against 38.9-40.4 on 8, H200 30.6-31.6 against 34.7-35.5), and per-token tiles two to a program
-# (H100 37.2-38.3, H200 28.7-29.5); per_thread tiles stay one to a program (two: up to +12% on the H200).
-QUANTIZE_BLOCK_N, QUANTIZE_WARPS, QUANTIZE_TILES = 32, 4, 2
-# per_thread K: a tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS), on the per-token tile's
-# warps. (Sessions 15-17 tiled a whole key block, 16 warps at D=128 and 8 at D=64 — 32 elements per thread, the
-# groups' maxima reduced across warps: 1.73-1.80× its floor at D=128, docs/results/prep_kernels_ab_d128_sweep_h100_s17.json.)
-THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
-# Heads a quantize program takes, each tile's tables read once for all of them (tables broadcast over heads only):
-# 4 with fp32 tables, 1 with 16-bit ones. tools/ab/table_heads.py (H200, session 25, B·N = 16K tokens, D=128, 4K and
-# 16K; docs/results/table_heads_h200_s25.json): fp32 tables, 1 → 4 heads: K with μ 44.7-50.5 → 35.4-38.0 µs, Q
-# 36.5-38.5 → 32.4-32.9 (each head re-read its tables from L2: twice x's bytes); bf16 tables, 1 → 2-8 heads slower
-# (K 28.6-31.3 → 33.9-38.1: the tables' registers live through the head loop, 53 → 90+ registers).
-QUANTIZE_HEADS, QUANTIZE_HEADS_FP32_TABLES = 1, 4
-# The reductions (μK's sums, δV's amax): a constant split of TILES_PER_SPLIT·SUM_BLOCK_N tokens (no guard on N), its
-# tiles accumulated element-wise. tools/ab/prep_kernels.py --sweep (H100, session 17, B·N = 16K tokens, 4K and 16K):
-# 16-token tiles × 16; sums on 2 warps 1.27-1.39× their floor (the old 128 × 2 on 4 warps, reducing every tile:
-# 1.58-1.79×); δV's amax on 2 warps at D=64 (1.11×) and 4 at D=128 (1.23×; 2 warps there: 1.6×).
-SUM_BLOCK_N, TILES_PER_SPLIT, SUM_WARPS = 16, 16, 2
-# μK from a sample of keys (spec.mean_sample_positions): 32-key tiles, 2 a split, so 512 samples make 8 programs per head,
-# each gathering 256-byte rows. Swept with K cold in L2, as in the prep (tools/ab/prep_kernels.py --cold-sweep, H100,
-# session 19, two runs, the sums and their reduction): at D=128 11.3-11.4 / 8.8-8.9 µs at 4K / 16K tokens a head
-# against 12.6 / 10.8-11.0 for the session-18 choice (16-key tiles, 4 a split); at D=64 level (11.4 / 8.8-8.9 against
-# 11.3-11.4 / 8.7-8.9)
-SAMPLED_SUM_BLOCK_N, TILES_PER_SAMPLED_SPLIT = 32, 2
-AMAX_WARPS, AMAX_WARPS_D64 = 4, 2
-# The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K tokens
-# (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
+# The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
+# tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
-# V quantize (the second pass: e4m3, transposed store): until session 22 on 4 warps, 32 tokens at D=128 and 64 at D=64
-# (1.14-1.16× its floor; same sweep as session 17's). Session 22 (the sweep above): 64 tokens on 8 warps at both head
-# dims (H200 26.6-26.8 µs against 27.2-27.5; H100 35.7-36.5 against 36.3-36.6). Two or four tiles a program were
-# never faster for V (H200 +1 to +12%, H100 +1 to +20%), so its kernel does one.
-V_BLOCK_N, V_WARPS = 64, 8
+# per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
+THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one prep kernel is launched: ``block`` tokens a tile, ``tiles`` tiles a program (or a split, for the
+    reductions), ``warps`` warps, ``heads`` heads a program."""
+
+    block: int
+    tiles: int
+    warps: int
+    heads: int = 1
+
+
+def heuristics(kernel: str, head_dim: int, *, sampled: bool = False, thread_groups: bool = False,
+               wide_tables: bool = False) -> Tiling:
+    """The measured launch choice of each prep kernel (GPU time under CUDA graphs, B·N = 16K tokens, N = 4K and
+    16K, D = 64 and 128, H100 and H200; ~16 elements per thread):
+
+    * ``quantize`` (rope + amax + int8): 32-token tiles on 4 warps, two tiles a program (4 warps beat 8 by 4-12%
+      once quantizing became a mul and an add; two tiles a program beat one by 1-3%); per_thread K one key group
+      a tile, one a program (two: up to 12% slower on the H200). With 32-bit rotary tables a program takes 4
+      heads and reads each tile's tables once for them (K with μ: 44.7-50.5 → 35.4-38.0 µs on the H200); with
+      16-bit tables one head (sharing kept the tables' registers live through the head loop: 53 → 90+
+      registers, 18-22% slower).
+    * ``sum`` (μK's partial sums): 16-token tiles, 16 a split, 2 warps (1.27-1.39× the memory floor); from a
+      sample of keys, 32-key tiles, 2 a split (512 samples: 8 programs per head; measured with K cold in L2).
+    * ``amax`` (δV's partial maxima): 16-token tiles, 16 a split; 2 warps at D ≤ 64 (1.11× the floor), 4 above
+      (1.23×; 2 warps there: 1.6×).
+    * ``v_quantize`` (e4m3, transposed store): 64-token tiles on 8 warps, one a program (two or four a program
+      were 1-20% slower).
+    """
+    if kernel == "quantize":
+        heads = 4 if wide_tables else 1
+        return Tiling(THREAD_GROUP_TILE, 1, 4, heads) if thread_groups else Tiling(32, 2, 4, heads)
+    if kernel == "sum":
+        return Tiling(32, 2, 2) if sampled else Tiling(16, 16, 2)
+    if kernel == "amax":  # a comparison, not a lookup: under dynamic shapes D may still be a SymInt here
+        return Tiling(16, 16, 2 if head_dim <= 64 else 4)
+    if kernel == "v_quantize":
+        return Tiling(64, 1, 8)
+    raise ValueError(f"prep kernel {kernel!r}: expected quantize, sum, amax or v_quantize")
 
 
 @triton.jit
@@ -407,21 +416,19 @@ def _producer_args(x: torch.Tensor, table_args: list, interleaved: bool, norm_we
     return args, flags
 
 
-def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, block: Optional[int] = None,
-                      tiles: Optional[int] = None, warps: int = SUM_WARPS, sample: int = 0, interleaved: bool = False,
+def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, sample: int = 0, interleaved: bool = False,
                       norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
-    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tiles·block tokens — or, with sample S > 0, over its
-    share of the keys spec.mean_sample_positions(N, S) takes (tiles and block: the measured defaults above unless given).
-    interleaved / norm_weight / norm_eps: the producer (prep.rope_halves); D in the halves' order."""
+    """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens — or, with sample S > 0, over its share of the
+    keys spec.mean_sample_positions(N, S) takes. interleaved / norm_weight / norm_eps: the producer
+    (prep.rope_halves); D in the halves' order."""
     batch, heads, n, d = x.shape
-    block = block or (SAMPLED_SUM_BLOCK_N if sample else SUM_BLOCK_N)
-    tiles = tiles or (TILES_PER_SAMPLED_SPLIT if sample else TILES_PER_SPLIT)
-    splits = triton.cdiv(sample or n, tiles * block)
+    tiling = heuristics("sum", d, sampled=sample > 0)
+    splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x, interleaved), *table_args, *producer, partial, heads, n, tiles, sample, HALF=d // 2, BLOCK=block,
-        SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=warps)
+        *_x_args(x, interleaved), *table_args, *producer, partial, heads, n, tiling.tiles, sample, HALF=d // 2,
+        BLOCK=tiling.block, SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=tiling.warps)
     return partial
 
 
@@ -437,59 +444,47 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
 
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
-                         block: Optional[int] = None, warps: Optional[int] = None, thread_groups: bool = False,
-                         tiles_per_program: Optional[int] = None, interleaved: bool = False,
-                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
-                         heads_per_program: Optional[int] = None) -> None:
+                         thread_groups: bool = False, interleaved: bool = False,
+                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> None:
     """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
-    groups, a tile each; block is then ignored). block, warps and tiles_per_program: the measured defaults above,
-    unless given. interleaved / norm_weight / norm_eps: the producer (prep.rope_halves). heads_per_program (default
-    QUANTIZE_HEADS, or QUANTIZE_HEADS_FP32_TABLES with 32-bit tables): heads whose tiles one program quantizes,
-    reading the tables once — where every table is the same for all heads (head stride 0) and it divides H, else 1."""
+    groups, a tile each). interleaved / norm_weight / norm_eps: the producer (prep.rope_halves). A program takes
+    ``heuristics``' heads where every table is the same for all heads (head stride 0) and that divides H, else 1."""
     batch, heads, n, d = x.shape
-    warps = warps or QUANTIZE_WARPS
     wide_tables = any(t.element_size() >= 4 for t in table_args[::5])
-    heads_per_program = heads_per_program or (QUANTIZE_HEADS_FP32_TABLES if wide_tables else QUANTIZE_HEADS)
+    tiling = heuristics("quantize", d, thread_groups=thread_groups, wide_tables=wide_tables)
+    heads_per_program = tiling.heads
     if heads % heads_per_program or any(table_args[i + 2] != 0 for i in range(0, len(table_args), 5)):
         heads_per_program = 1
     if thread_groups:  # one tile per key group
-        block = THREAD_GROUP_TILE
         tiles = triton.cdiv(n, THREAD_GROUP_KEYS) * THREAD_GROUPS_PER_BLOCK
-        tiles_per_program = tiles_per_program or 1
     else:
-        block = block or QUANTIZE_BLOCK_N
-        tiles = triton.cdiv(n, block)
-        tiles_per_program = tiles_per_program or QUANTIZE_TILES
+        tiles = triton.cdiv(n, tiling.block)
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
-    grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiles_per_program))
+    grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiling.tiles))
     wrap_triton(_rope_quantize_kernel)[grid](
         *_x_args(x, interleaved), *table_args, *producer, mean_arg, x8, deltas, heads, n,
-        HALF=d // 2, BLOCK=block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
-        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiles_per_program,
-        HEADS=heads_per_program, num_warps=warps)
+        HALF=d // 2, BLOCK=tiling.block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
+        THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiling.tiles,
+        HEADS=heads_per_program, num_warps=tiling.warps)
 
 
-def absmax_partials(x: torch.Tensor, block: int = SUM_BLOCK_N, tiles: int = TILES_PER_SPLIT,
-                    warps: Optional[int] = None) -> torch.Tensor:
-    """fp32 [B·H, splits, D]: max |x| per channel over each split's tiles·block tokens (warps: AMAX_WARPS by D; a
-    comparison, not a dict lookup: under dynamic shapes D is still a SymInt here, and hashing it broke the graph)."""
+def absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [B·H, splits, D]: max |x| per channel over each split's tokens."""
     batch, heads, n, d = x.shape
-    warps = warps or (AMAX_WARPS_D64 if d <= 64 else AMAX_WARPS)
-    splits = triton.cdiv(n, tiles * block)
+    tiling = heuristics("amax", d)
+    splits = triton.cdiv(n, tiling.tiles * tiling.block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
-    wrap_triton(_absmax_sum_kernel)[(batch * heads, splits)](*_x_args(x), partial, heads, n, tiles, D=d, BLOCK=block,
-                                                             num_warps=warps)
+    wrap_triton(_absmax_sum_kernel)[(batch * heads, splits)](*_x_args(x), partial, heads, n, tiling.tiles, D=d,
+                                                             BLOCK=tiling.block, num_warps=tiling.warps)
     return partial
 
 
-def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, v_t: torch.Tensor,
-                      block: Optional[int] = None, warps: int = V_WARPS) -> None:
+def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, v_t: torch.Tensor) -> None:
     """v_t [B,H,D,N_pad] e4m3 ← v [B,H,N,D]·(1/δV), transposed, and δV [B·H, D] from the channel amax [B·H, D]
     (a second pass over v, run backwards)."""
     batch, heads, n, d = v.shape
     n_pad = v_t.shape[-1]
-    block = block or V_BLOCK_N
-    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, block))](
-        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=block, num_warps=warps)
-
+    tiling = heuristics("v_quantize", d)
+    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, tiling.block))](
+        *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=tiling.block, num_warps=tiling.warps)

@@ -28,7 +28,6 @@ path takes max_j S = δQ·max_j(x·δK), so it assumes δQ ≥ 0, i.e. a positiv
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -36,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelArgs, broadcast_strides, mask_problem
+from . import KernelArgs, KernelSite, broadcast_strides
 
 NAME = "triton"
 
@@ -59,52 +58,37 @@ class Config:
     num_warps: int
     num_stages: int
     tma: bool = False  # K/V through host TMA descriptors (sm90+, contiguous K and V only)
-    fast: bool = True  # the folded softmax (no I2F, 448 in the exponent); False: the spec's formulas verbatim
 
     def __str__(self):
-        return (f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}"
-                f"{'-tma' if self.tma else ''}{'' if self.fast else '-plain'}")
-
-    def text(self) -> str:
-        extra = (",tma" if self.tma else "") + ("" if self.fast else ",plain")
-        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{extra}"
+        return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}{'-tma' if self.tma else ''}"
 
     @staticmethod
     def parse(text: str) -> "Config":
-        """'128,64,8,3[,tma][,plain]' → Config (the SAGE_TRITON_CONFIG override and the benchmark)."""
+        """'128,64,8,3[,tma]' → Config (the kernel benchmark's sweep)."""
         parts = [p.strip().lower() for p in text.split(",") if p.strip()]
-        flags = set(parts[4:])
-        if len(parts) < 4 or not flags <= {"tma", "plain"}:
-            raise ValueError(
-                f"SAGE_TRITON_CONFIG={text!r}: expected 'block_m,block_n,num_warps,num_stages[,tma][,plain]'")
-        return Config(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]),
-                      tma="tma" in flags, fast="plain" not in flags)
+        if len(parts) not in (4, 5) or parts[4:] not in ([], ["tma"]):
+            raise ValueError(f"triton config {text!r}: expected 'block_m,block_n,num_warps,num_stages[,tma]'")
+        return Config(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), tma=len(parts) == 5)
 
 
-# Measured table, H200 (triton 3.6, bench/kernel_bench.py --sweep, 3 rounds): (padded head dim, causal,
-# long) → Config. "long" = Nk > 1024 (a coarse bucket, so a dynamic N does not switch configs at every
-# size). One warpgroup per program (4 warps) lets two programs share an SM, so one's softmax overlaps the
-# other's MMAs: 20–35% over 8 warps × BLOCK_M 128 at D=128. 32 and 256 are not measured: 32 follows 64;
-# 256 uses BLOCK_N 64 to keep registers and shared memory in bounds.
-_TABLE = {
-    (32, False, False): Config(64, 128, 4, 3, tma=True), (32, False, True): Config(64, 128, 4, 3, tma=True),
-    (32, True, False): Config(64, 64, 4, 3), (32, True, True): Config(128, 128, 4, 3),
-    (64, False, False): Config(64, 128, 4, 3, tma=True), (64, False, True): Config(64, 128, 4, 3, tma=True),
-    (64, True, False): Config(64, 64, 4, 3), (64, True, True): Config(128, 128, 4, 3),
-    (128, False, False): Config(64, 128, 4, 3, tma=True), (128, False, True): Config(64, 128, 4, 3, tma=True),
-    (128, True, False): Config(64, 128, 4, 3, tma=True), (128, True, True): Config(64, 128, 4, 3, tma=True),
-    (256, False, False): Config(64, 64, 4, 2), (256, False, True): Config(64, 64, 4, 2),
-    (256, True, False): Config(64, 64, 4, 2), (256, True, True): Config(64, 64, 4, 2),
-}
+def heuristics(args: KernelArgs) -> Config:
+    """The launch configuration for ``args``, fitted to this GPU's shared memory.
 
-
-def config_for(args: KernelArgs) -> Config:
-    """The launch configuration ``run`` uses for ``args`` (tests read ``.block_n`` to feed the oracle)."""
-    override = os.environ.get("SAGE_TRITON_CONFIG")
-    if override:
-        return Config.parse(override)
+    Measured on the H200 (bench kernel --sweep): one warpgroup per program (4 warps, BLOCK_M 64) lets two
+    programs share an SM, so one's softmax overlaps the other's MMAs — 20–35% over 8 warps × BLOCK_M 128 at
+    D=128; K/V by TMA descriptors where the strides allow. Causal D ≤ 64 prefers 64-key blocks up to 1K keys
+    and 128×128 blocks beyond ("long": Nk > 1024, a coarse bucket so a dynamic N does not switch configs at
+    every size). 32 follows 64; 256 (not measured) uses BLOCK_N 64 to keep registers and shared memory in
+    bounds.
+    """
     dp = args.q.shape[-1]
-    cfg = _TABLE[(dp, args.causal != 0, args.k.shape[2] > 1024)]
+    causal, long = args.causal != 0, args.k.shape[2] > 1024
+    if dp == 256:
+        cfg = Config(64, 64, 4, 2)
+    elif dp <= 64 and causal:
+        cfg = Config(128, 128, 4, 3) if long else Config(64, 64, 4, 3)
+    else:
+        cfg = Config(64, 128, 4, 3, tma=True)
     if cfg.tma and not _tma_ok(args):
         cfg = replace(cfg, tma=False)
     return _fit_shared_memory(cfg, args)
@@ -134,7 +118,7 @@ def _fit_shared_memory(cfg: Config, args: KernelArgs) -> Config:
     dp, v_bytes = args.q.shape[-1], args.v.element_size()
     mask_bytes = args.attn_mask.element_size() if args.attn_mask is not None else 0
     while True:
-        ds_tile = args.delta_s is not None and args.q_group % cfg.block_m != 0
+        ds_tile = args.delta_s is not None and args.scheme.q_block % cfg.block_m != 0
         if _smem_estimate(cfg, dp, v_bytes, ds_tile, mask_bytes) <= limit:
             return cfg
         if cfg.num_stages > 2:
@@ -147,10 +131,6 @@ def _fit_shared_memory(cfg: Config, args: KernelArgs) -> Config:
             return cfg
 
 
-def block_n_for(args: KernelArgs) -> int:
-    return config_for(args).block_n
-
-
 # ------------------------------------------------------------------------------------------------
 # Kernel
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +139,7 @@ def _attn_block(
     o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset, k_ptrs, ks_ptrs, v_ptrs, k_desc, v_desc,
     k_row0, v_row0, ds_ptrs, Nk, NKP, am_ptrs, sam_k, row_ok,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, DS_MODE: tl.constexpr,
-    PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr, FAST: tl.constexpr,
+    PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -174,16 +154,13 @@ def _attn_block(
     else:
         ks = tl.load(ks_ptrs)
     qk = tl.dot(q, tl.trans(k))  # exact int32
-    if FAST:
-        # int32 → fp32 without I2F (a quarter-rate conversion, as costly as the exp2 itself): |qk| ≤
-        # 127²·256 < 2^22, so the bits qk + 0x4B400000 are the fp32 1.5·2^23 + qk exactly (spacing 1).
-        x = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-    else:
-        x = qk.to(tl.float32)
+    # int32 → fp32 without I2F (a quarter-rate conversion, as costly as the exp2 itself): |qk| ≤
+    # 127²·256 < 2^22, so the bits qk + 0x4B400000 are the fp32 1.5·2^23 + qk exactly (spacing 1).
+    x = (qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     u = x * ks[None, :]  # S = u·δQ (the oracle's (x·δQ)·δK, rounded in the other order)
     # P̂ = e4m3(448·exp2(S − m)) is computed as e4m3(exp2(S − (m − log2 448))): the ·448 rides in the
-    # subtraction (FAST), so l below sums 448·P̃ and the epilogue divides by it.
-    if FAST and DS_MODE == 0 and not MASK:
+    # subtraction, so l below sums 448·P̃ and the epilogue divides by it.
+    if DS_MODE == 0 and not MASK:
         # every score finite, δQ ≥ 0: max_j S = δQ·max_j u, and S − m' is one FMA per element
         m_new = tl.maximum(m, tl.max(u, 1) * qs)
         m_safe = m_new
@@ -218,11 +195,8 @@ def _attn_block(
         else:  # every score finite here, so the row max is too
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = m_new
-        if FAST:
-            arg = s - (m_safe - 8.807354922057604)[:, None]
-        else:
-            arg = s - m_safe[:, None]
-    p = tl.math.exp2(arg)  # 448·P̃ (FAST) or P̃
+        arg = s - (m_safe - 8.807354922057604)[:, None]
+    p = tl.math.exp2(arg)  # 448·P̃
     alpha = tl.math.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
     if USE_TMA:
@@ -231,8 +205,6 @@ def _attn_block(
         vt = tl.load(v_ptrs, mask=(offs_n < NKP)[None, :], other=0.0)
     else:
         vt = tl.load(v_ptrs)
-    if not FAST:
-        p = p * 448.0
     if PV_FP8:
         p_hat = p.to(tl.float8e4nv)  # 448·P̃ ≤ 448 (the cast saturates anyway)
     else:
@@ -263,7 +235,7 @@ def _attn_fwd(
     Hq, GQA, Hkv, Nq, Nk, NKP, q_group, head_dim, causal_offset, has_vm, has_kvl,
     HEAD_DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DS_MODE: tl.constexpr, PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
-    FAST: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
 ):
     if CAUSAL:  # heaviest query blocks first: the light ones fill the tail of the grid
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -330,7 +302,7 @@ def _attn_fwd(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
             k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
             ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
-            BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST, False, MASK_IS_BOOL,
+            BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, False, MASK_IS_BOOL,
         )
     # Diagonal (causal), kv_lens and tail blocks: masked.
     for start_n in range(full_end, hi, BLOCK_N):
@@ -338,13 +310,10 @@ def _attn_fwd(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
             k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
             ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
-            BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, FAST, HAS_MASK, MASK_IS_BOOL,
+            BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, HAS_MASK, MASK_IS_BOOL,
         )
 
-    if FAST:
-        l448 = l  # l summed 448·P̃
-    else:
-        l448 = l * 448.0
+    l448 = l  # l summed 448·P̃
     has_keys = l448 > 0.0
     inv = tl.where(has_keys, 1.0 / l448, 0.0)
     vs = tl.load(VS + b64 * svs_b + hk64 * svs_h + offs_d)
@@ -361,41 +330,41 @@ def _attn_fwd(
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
-def supports(args: KernelArgs) -> Optional[str]:
-    if args.device.type != "cuda":
-        return f"needs a CUDA device (got {args.device.type})"
+QK_TYPES = ("int8", "int4")  # int4 values are stored in int8: the same int8 dot
+
+
+def supports(site: KernelSite) -> Optional[str]:
+    if site.device.type != "cuda":
+        return f"needs a CUDA device (got {site.device.type})"
     if torch.version.hip is not None:
         return "ROCm is not supported by this kernel (CUDA only)"
-    cap = _capability(args.device)
+    cap = _capability(site.device)
     if cap < (8, 0):
         return f"needs compute capability >= 8.0 (got {cap[0]}.{cap[1]})"
-    dp = args.q.shape[-1]
-    if dp not in SUPPORTED_HEAD_DIMS:
-        return f"padded head dim {dp} not supported (supported: {SUPPORTED_HEAD_DIMS})"
-    if args.q.dtype != torch.int8 or args.k.dtype != torch.int8:
-        return f"q/k must be int8 (got {args.q.dtype}, {args.k.dtype})"
-    if args.v.dtype == torch.float8_e4m3fn:
-        if cap < (8, 9):
-            return f"fp8 (e4m3) PV needs compute capability >= 8.9 (got {cap[0]}.{cap[1]}); use pv='fp16'"
-    elif args.v.dtype != torch.float16:
-        return f"v must be float8_e4m3fn or float16 (got {args.v.dtype})"
-    if args.out_dtype not in _OUT_DTYPES:
-        return f"out dtype {args.out_dtype} not supported (supported: {_OUT_DTYPES})"
-    if args.causal not in (0, 1, 2):
-        return f"causal={args.causal} not supported (0, 1, 2)"
+    if site.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"padded head dim {site.head_dim} not supported (supported: {SUPPORTED_HEAD_DIMS})"
+    if site.scheme.qk not in QK_TYPES:
+        return f"qk={site.scheme.qk!r}: this kernel multiplies {' or '.join(QK_TYPES)} values"
+    if site.scheme.pv == "fp8" and cap < (8, 9):
+        return f"fp8 (e4m3) PV needs compute capability >= 8.9 (got {cap[0]}.{cap[1]}); use pv='fp16'"
+    if site.scheme.pv not in ("fp8", "fp16"):
+        return f"pv={site.scheme.pv!r} not supported (fp8, fp16)"
+    if site.dtype not in _OUT_DTYPES:
+        return f"out dtype {site.dtype} not supported (supported: {_OUT_DTYPES})"
+    return None
+
+
+def accepts(args: KernelArgs) -> Optional[str]:
     for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "v_mean", "delta_s"):
         t = getattr(args, name)
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
-    for name in ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s"):
-        t = getattr(args, name)
-        if t is not None and t.dtype != torch.float32:
-            return f"{name} must be float32 (got {t.dtype})"
-    return mask_problem(args)
+    return None
 
 
 def _tma_ok(args: KernelArgs) -> bool:
@@ -411,8 +380,10 @@ def _tma_ok(args: KernelArgs) -> bool:
     )
 
 
-def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, config: Optional[Config] = None) -> None:
-    cfg = config if config is not None else config_for(args)
+def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, config: Optional[Config] = None) -> None:
+    """``config``: the ``heuristics`` choice unless given (the tests run every shape heuristics can pick on
+    some GPU; the benchmark sweeps them)."""
+    cfg = config if config is not None else heuristics(args)
     if args.q.shape[0] == 0 or args.q.shape[1] == 0 or args.q.shape[2] == 0:
         return
     if out.stride(-1) != 1 and args.head_dim > 1:
@@ -432,11 +403,11 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
     kvl = args.kv_lens if args.kv_lens is not None else dummy
     if args.delta_s is None:
         ds_mode = 0
-    elif args.q_group % cfg.block_m == 0:
+    elif args.scheme.q_block % cfg.block_m == 0:
         ds_mode = 1
     else:
         ds_mode = 2
-    pv_fp8 = v.dtype == torch.float8_e4m3fn
+    pv_fp8 = args.scheme.pv == "fp8"
     # sm90 keeps fp8 dots unfused by default (max_num_imprecise_acc 2^30); elsewhere say so explicitly.
     imprecise = cfg.block_n if (pv_fp8 and tuple(cap) != (9, 0)) else 0
     if use_tma:
@@ -465,10 +436,10 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
         ds_strides[0], ds_strides[1], ds_strides[2],
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1),
         am, am_strides[0], am_strides[1], am_strides[2], am_strides[3],
-        hq, hq // hkv, hkv, n_q, n_k, nkp, args.q_group, args.head_dim, causal_offset,
+        hq, hq // hkv, hkv, n_q, n_k, nkp, args.scheme.q_block, args.head_dim, causal_offset,
         int(args.v_mean is not None), int(args.kv_lens is not None),
         HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
-        DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma, FAST=cfg.fast,
+        DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma,
         HAS_MASK=mask is not None, MASK_IS_BOOL=mask_is_bool,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )

@@ -227,8 +227,8 @@ def test_v_quantize_equals_spec(batch, heads, n, d, layout, dtype, seed):
     v = _layout_x(batch, heads, n, d, g, layout).to(torch.float16 if dtype == "fp16" else torch.bfloat16)
     v[..., 0, :] *= 40  # one outlier token sets δV of every channel
     v[..., 1] = 0  # an all-zero channel: δV = the smallest normal float, so 1/δV is finite (0·1/δV = 0)
-    v_t, v_scale, v_mean = prep.prepare_v(v, spec.Quantization())
-    ref_t, ref_scale, _ = spec.prepare_v(v.cpu(), spec.Quantization())
+    v_t, v_scale, v_mean = prep.prepare_v(v, spec.Scheme())
+    ref_t, ref_scale, _ = spec.prepare_v(v.cpu(), spec.Scheme())
     assert v_mean is None and v_t.dtype == torch.float8_e4m3fn and v_t.shape == ref_t.shape and v_t.is_contiguous()
     assert torch.equal(v_t.cpu().view(torch.uint8), ref_t.view(torch.uint8))
     assert torch.equal(v_scale.cpu(), ref_scale)

@@ -257,7 +257,7 @@ def test_fp16_pv_is_closer_to_fp32_than_fp8_pv(d, variant):
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
     errors = {}
     for pv in ("fp8", "fp16"):
-        p = spec.prepare(q, k, v, d ** -0.5, spec.Quantization(pv=pv))
+        p = spec.prepare(q, k, v, d ** -0.5, spec.Scheme(pv=pv))
         args = KernelArgs.from_prepared(p, None, 0, d, torch.bfloat16)
         errors[pv] = rel_l1(run_sm90(args, variant if pv == "fp16" else None)[0], ref)
     assert errors["fp16"] < 0.5 * errors["fp8"], errors
@@ -413,7 +413,7 @@ def test_accuracy_vs_fp32_sdpa(causal):
 
 def test_accuracy_vs_fp32_sdpa_per_thread_k():
     check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], 0, "sm90_per_thread_k",
-                           quant=spec.Quantization(k_granularity="per_thread"))
+                           quant=spec.Scheme(k_granularity="per_thread"))
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -421,7 +421,7 @@ def test_fp16_pv_meets_issue_4_accuracy_bar(causal):
     """pv='fp16' on the sm90 kernel: cos ≥ 0.9995 and relL1 ≤ 0.03 against fp32 SDPA on all three distributions
     (the spec itself reaches 0.99996/0.0093, 0.99979/0.0235, 0.999998/0.0016 on the CPU)."""
     check_accuracy_vs_fp32(lambda args: run_sm90(args, None)[0], causal, "sm90_pv_fp16",
-                           quant=spec.Quantization(pv="fp16"), bounds=ISSUE_4_BAR)
+                           quant=spec.Scheme(pv="fp16"), bounds=ISSUE_4_BAR)
 
 
 # ---------------------------------------------------------------------------------------------------
