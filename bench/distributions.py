@@ -1,5 +1,5 @@
-"""The three input distributions of ANCHORS.md and the accuracy metrics we report against fp32 — one
-definition for the GPU tests, the end-to-end benchmark and the CPU accuracy study.
+"""The three input distributions every accuracy figure is measured on, and the metrics reported against fp32 — one
+definition for the GPU tests, the end-to-end benchmark and the CPU accuracy benchmark.
 
 * ``normal``: q, k, v ~ N(0, 1);
 * ``outliers``: N(0,1) + N(0,100)·Bernoulli(0.001) per element (the FA3 paper's mix);
@@ -13,7 +13,7 @@ import torch
 DISTRIBUTIONS = ("normal", "outliers", "channel_bias")
 
 
-def anchor_qkv(name: str, shape, generator: torch.Generator, device) -> tuple:
+def sample_qkv(name: str, shape, generator: torch.Generator, device) -> tuple:
     """fp32 q, k, v of ``shape`` (channels last) drawn from distribution ``name``."""
     if name not in DISTRIBUTIONS:
         raise ValueError(f"distribution {name!r}: expected one of {DISTRIBUTIONS}")
