@@ -23,9 +23,10 @@ from sage_compile.kernels import KernelArgs, cpu
 
 from . import recording
 from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
+from .kernel_bench import quantization
 
 SHAPE = (1, 8, 4096, 128)
-CONFIGS = (  # label → spec.Quantization fields
+CONFIGS = (  # label → scheme fields
     ("pv=fp8", {}),
     ("pv=fp8, μK over all keys", dict(k_mean_sample=0)),
     ("pv=fp8, smooth_v", dict(smooth_v=True)),
@@ -40,7 +41,7 @@ def int8_pv_study(q, k, v, block_n=64):
     (the block's row max: full 8 bits for every block), V̂ = round(v/δV) with δV = amax/127 per channel, products
     exact, block sums rescaled by exp2(m_blk − m) / 255 in float64; out = O/l·δV, in q's dtype."""
     d = q.shape[-1]
-    p = spec.prepare(q, k, v, d ** -0.5, spec.Quantization())
+    p = spec.prepare(q, k, v, d ** -0.5, quantization())
     s_all = (p.q.double() @ p.k.double().transpose(-1, -2)) * p.q_scale.double()[..., None] \
         * p.k_scale.double()[..., None, :]
     s_all = s_all.float().double()  # the kernel's fp32 scores
@@ -108,7 +109,7 @@ def k_mean_sample_sweep(opts):
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         for granularity in ("per_token", "per_thread"):
             for sample in (0, 64, 256, 512, 1024):
-                out = _run_spec(q, k, v, spec.Quantization(k_granularity=granularity, k_mean_sample=sample))
+                out = _run_spec(q, k, v, quantization(k_granularity=granularity, k_mean_sample=sample))
                 rows.append(dict(dist=name, k_granularity=granularity, k_mean_sample=sample, **accuracy_metrics(out, ref)))
                 r = rows[-1]
                 print(f"{name:18s} {granularity:10s} S={sample:5d} cos {r['cos']:.6f} relL1 {r['rel_l1']:.5f}", flush=True)
@@ -132,7 +133,7 @@ def main(argv=None):
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         rows.append(dict(dist=name, config="sdpa_bf16", **accuracy_metrics(bf16, ref)))
         for label, fields in CONFIGS:
-            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, spec.Quantization(**fields)),
+            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, quantization(**fields)),
                                                                          ref)))
         rows.append(dict(dist=name, config="study: pv=int8 (u8 P per block row max, s8 V per channel)",
                          **accuracy_metrics(int8_pv_study(q, k, v), ref)))

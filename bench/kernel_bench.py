@@ -38,6 +38,12 @@ def sweep_candidates(d):
     return ["64,128,4,3,tma", "64,128,4,4,tma", "128,128,4,3", "64,64,4,3"]
 
 
+def quantization(**fields):
+    """The spec's quantization scheme with these fields (``spec.Scheme``; ``spec.Quantization`` before it)."""
+    from sage_compile import spec
+    return spec.Scheme(**fields) if hasattr(spec, "Scheme") else spec.Quantization(**fields)
+
+
 def _bench_ms(fn):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -102,7 +108,7 @@ def _precompile_worker(job):
     try:
         heads = SHAPES[d]
         q, k, v = _make_inputs(1, heads, 256, d, 0)
-        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Quantization()), causal, d)
+        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, quantization()), causal, d)
         tk.run(args, *_outputs(1, heads, 256, d), config=tk.Config.parse(cfg_text))
         torch.cuda.synchronize()
         return None
@@ -185,9 +191,9 @@ def main(argv=None):
     print(f"precompiled {len(jobs)} variants in {info['precompile_s']} s", flush=True)
 
     rows, sweep = [], []
-    quant = spec.Quantization()
-    quant_pt = spec.Quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
-    quant_16 = spec.Quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (for a stricter accuracy bar)
+    quant = quantization()
+    quant_pt = quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
+    quant_16 = quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (for a stricter accuracy bar)
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
