@@ -1,31 +1,32 @@
-"""Accuracy of the numerics spec itself (exact C++ reference, CPU) vs fp32 SDPA on ANCHORS.md's three
-distributions (B=1, H=8, N=4096, D=128), for PV in e4m3 and fp16, with V smoothing, and K scales per
-token, per thread group and per 64-key block: which configuration meets issue 4's bar (cos ≥ 0.9995,
-relL1 ≤ 0.03) before any GPU rounding enters.
+"""Accuracy of the numerics spec itself (exact C++ reference, CPU) vs fp32 SDPA on the three input distributions
+(sage_compile.bench.distributions; B=1, H=8, N=4096, D=128), for PV in e4m3 and fp16, with V smoothing, and K scales
+per token, per thread group and per 64-key block: which configuration meets the accuracy bar (cos ≥ 0.9995,
+relL1 ≤ 0.03) before any GPU rounding enters. The GPU kernels agree with this reference to ~1e-4 relative.
 
 Also one design not in the spec, emulated in float64 on the spec's own Q̂/K̂ (rows "study: ..."): INT8 PV at
 the FP8 MMA rate — P̂ = u8(255·exp2(S − m_block)) per row and 64-key block, V̂ = s8 per channel, exact integer
 products — and, for the outlier mix's error, V's quantization alone with exact P.
 
-    python -m bench.accuracy_spec   → docs/results/accuracy_spec_cpu.json (+ a table)
-    python -m bench.accuracy_spec --k-mean-sample   → docs/results/accuracy_k_mean_sample_cpu.json: μK from
-        S = 0 (all keys), 64, 256, 512, 1024 keys, per-token and per_thread K, on the three distributions and on the
-        channel-bias mix with RoPE applied to q and k (a position-dependent K bias)
+    python -m sage_compile bench accuracy [--record]   → a table; docs/results/accuracy_cpu.json with --record
+    python -m sage_compile bench accuracy --k-mean-sample   → μK from S = 0 (all keys), 64, 256, 512, 1024 keys,
+        per-token and per_thread K, on the three distributions and on the channel-bias mix with RoPE applied to q and
+        k (a position-dependent K bias): the study behind the default k_mean_sample
 """
-import json
+import argparse
 import math
 import os
-import platform
-import sys
 
 import torch
 
-from bench.anchors import DISTRIBUTIONS, accuracy_metrics, anchor_qkv
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs, cpu
 
+from . import recording
+from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
+from .kernel_bench import quantization
+
 SHAPE = (1, 8, 4096, 128)
-CONFIGS = (  # label → spec.Quantization fields
+CONFIGS = (  # label → scheme fields
     ("pv=fp8", {}),
     ("pv=fp8, μK over all keys", dict(k_mean_sample=0)),
     ("pv=fp8, smooth_v", dict(smooth_v=True)),
@@ -40,7 +41,7 @@ def int8_pv_study(q, k, v, block_n=64):
     (the block's row max: full 8 bits for every block), V̂ = round(v/δV) with δV = amax/127 per channel, products
     exact, block sums rescaled by exp2(m_blk − m) / 255 in float64; out = O/l·δV, in q's dtype."""
     d = q.shape[-1]
-    p = spec.prepare(q, k, v, d ** -0.5, spec.Quantization())
+    p = spec.prepare(q, k, v, d ** -0.5, quantization())
     s_all = (p.q.double() @ p.k.double().transpose(-1, -2)) * p.q_scale.double()[..., None] \
         * p.k_scale.double()[..., None, :]
     s_all = s_all.float().double()  # the kernel's fp32 scores
@@ -85,60 +86,65 @@ def _run_spec(q, k, v, quant):
     return out
 
 
-def _write(rows, name, **fields):
-    result = dict(device=f"CPU ({platform.processor() or platform.machine()})", torch=torch.__version__,
-                  shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
-                  output_dtype="bfloat16", rows=rows, **fields)
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results", name)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return path
+def _result(rows, **fields):
+    env = recording.environment(device="cpu")
+    env["device"] = f"CPU ({os.uname().machine})"  # the reference is exact: the CPU model does not matter
+    return dict(**env, shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
+                output_dtype="bfloat16", rows=rows, **fields)
 
 
-def k_mean_sample_sweep():
-    from bench.e2e_bench import rope_tables
+def k_mean_sample_sweep(opts):
     from sage_compile import prep
+
+    from .e2e_bench import rope_tables
 
     cos, sin = rope_tables(SHAPE[2], SHAPE[3], "cpu")
     rows = []
     for name in (*DISTRIBUTIONS, "channel_bias+rope"):
         g = torch.Generator().manual_seed(1234)
-        q, k, v = anchor_qkv(name.split("+")[0], SHAPE, g, "cpu")
+        q, k, v = sample_qkv(name.split("+")[0], SHAPE, g, "cpu")
         if name.endswith("+rope"):
             q, k = (prep.rope_reference(t, [cos, sin, cos, sin]) for t in (q, k))
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         for granularity in ("per_token", "per_thread"):
             for sample in (0, 64, 256, 512, 1024):
-                out = _run_spec(q, k, v, spec.Quantization(k_granularity=granularity, k_mean_sample=sample))
+                out = _run_spec(q, k, v, quantization(k_granularity=granularity, k_mean_sample=sample))
                 rows.append(dict(dist=name, k_granularity=granularity, k_mean_sample=sample, **accuracy_metrics(out, ref)))
                 r = rows[-1]
                 print(f"{name:18s} {granularity:10s} S={sample:5d} cos {r['cos']:.6f} relL1 {r['rel_l1']:.5f}", flush=True)
-    print("→", _write(rows, "accuracy_k_mean_sample_cpu.json"))
+    paths = recording.save("accuracy_k_mean_sample", _result(rows), opts)
+    print("→", ", ".join(paths) or "(not saved: --record)")
+    return 0
 
 
-def main():
-    if "--k-mean-sample" in sys.argv[1:]:
-        return k_mean_sample_sweep()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sage_compile bench accuracy", description=__doc__.split("\n")[0])
+    ap.add_argument("--k-mean-sample", action="store_true", help="the μK sample-size study instead")
+    recording.add_arguments(ap)
+    opts = ap.parse_args(argv)
+    if opts.k_mean_sample:
+        return k_mean_sample_sweep(opts)
     rows = []
     for name in DISTRIBUTIONS:
         g = torch.Generator().manual_seed(1234)
-        q, k, v = (t.to(torch.bfloat16) for t in anchor_qkv(name, SHAPE, g, "cpu"))
+        q, k, v = (t.to(torch.bfloat16) for t in sample_qkv(name, SHAPE, g, "cpu"))
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         rows.append(dict(dist=name, config="sdpa_bf16", **accuracy_metrics(bf16, ref)))
         for label, fields in CONFIGS:
-            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, spec.Quantization(**fields)),
+            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, quantization(**fields)),
                                                                          ref)))
         rows.append(dict(dist=name, config="study: pv=int8 (u8 P per block row max, s8 V per channel)",
                          **accuracy_metrics(int8_pv_study(q, k, v), ref)))
         for label, out in v_alone_study(q, k, v).items():
             rows.append(dict(dist=name, config=label, **accuracy_metrics(out.to(torch.bfloat16), ref)))
-    path = _write(rows, "accuracy_spec_cpu.json", bar=dict(cos=0.9995, rel_l1=0.03))
+    paths = recording.save("accuracy", _result(rows, bar=dict(cos=0.9995, rel_l1=0.03)), opts)
     for r in rows:
         print(f"{r['dist']:13s} {r['config']:58s} cos {r['cos']:.6f} relL1 {r['rel_l1']:.4f} rmse {r['rmse']:.2e}")
-    print("→", path)
+    print("→", ", ".join(paths) or "(not saved: --record)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

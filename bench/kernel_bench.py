@@ -7,26 +7,22 @@ each call). ``spec.prepare`` (the eager quantization, which Inductor fuses into 
 torch.compile) is timed separately. ``--sweep`` also times every candidate launch config of the Triton
 kernel at a few N (to build the table in ``sage_compile/kernels/triton.py``).
 
-    python -m bench.kernel_bench [--n 1024,4096] [--d 128,64] [--sweep] [--quick]
+    python -m sage_compile bench kernel [--n 1024,4096] [--d 128,64] [--sweep] [--quick] [--record]
 
-Prints a table last; writes everything (device, versions, every number) to $OUT/kernel_bench.json when
-OUT is set, else to docs/results/kernel_bench.json.
+Prints a table last. ``--record`` writes everything (device, versions, date, every number) to
+docs/results/kernel_bench_<device>.json; $OUT/kernel_bench.json too when OUT is set.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing as mp
-import os
-import sys
 import time
-
-if __package__ in (None, ""):  # `python bench/kernel_bench.py` from the repo root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.nn.functional as F
+
+from . import recording
 
 TOKENS = 16 * 1024
 SHAPES = {128: 16, 64: 32}  # head dim → heads
@@ -34,37 +30,18 @@ N_SETS = 3
 
 
 def sweep_candidates(d):
-    """Launch configs worth timing. Rounds 1–3 on the H200 ruled out 8 warps (20–35% slower than one
-    warpgroup per program at D=128), TMA with 8 warps, 2 or 4 stages at D=128, BLOCK_N 256 (spills), and
-    4 warps × BLOCK_M 128 at D=128 (1.5 KB of spills)."""
+    """Launch configs worth timing. Sweeps on the H200 ruled out 8 warps (20–35% slower than one warpgroup per
+    program at D=128), TMA with 8 warps, 2 or 4 stages at D=128, BLOCK_N 256 (spills), and 4 warps × BLOCK_M 128
+    at D=128 (1.5 KB of spills)."""
     if d >= 128:
         return ["64,128,4,3,tma", "64,128,4,3", "64,64,4,3", "128,128,8,3"]
     return ["64,128,4,3,tma", "64,128,4,4,tma", "128,128,4,3", "64,64,4,3"]
 
 
-def add_shape_args(ap, d="128,64", n="1024,2048,4096,8192,16384,32768", k="per_token,per_thread", reps=2):
-    """The shape options the side-by-side tools share (tools/sm90_variants.py, tools/ab/sm90_builds.py,
-    tools/q_prologue_ab.py): comma-separated head dims, lengths, causal flags, δK granularities; rounds."""
-    ap.add_argument("--d", default=d)
-    ap.add_argument("--n", default=n)
-    ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--k", default=k)
-    ap.add_argument("--reps", type=int, default=reps)
-
-
-def ints(text: str) -> list:
-    return [int(x) for x in text.split(",")]
-
-
-def shape_points(opts):
-    """(d, heads, causal, n, batch, ops) over add_shape_args' head dims, causal flags and lengths: B·N = TOKENS tokens,
-    ops = one attention's multiply-adds ×2 (halved for causal). The loop tools/sm90_variants.py and
-    tools/q_prologue_ab.py share."""
-    for d in ints(opts.d):
-        for causal in ints(opts.causal):
-            for n in ints(opts.n):
-                batch, heads = max(1, TOKENS // n), SHAPES[d]
-                yield d, heads, causal, n, batch, 4 * batch * heads * n * n * d / (2 if causal else 1)
+def quantization(**fields):
+    """The spec's quantization scheme with these fields (``spec.Scheme``; ``spec.Quantization`` before it)."""
+    from sage_compile import spec
+    return spec.Scheme(**fields) if hasattr(spec, "Scheme") else spec.Quantization(**fields)
 
 
 def _bench_ms(fn):
@@ -131,7 +108,7 @@ def _precompile_worker(job):
     try:
         heads = SHAPES[d]
         q, k, v = _make_inputs(1, heads, 256, d, 0)
-        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Quantization()), causal, d)
+        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, quantization()), causal, d)
         tk.run(args, *_outputs(1, heads, 256, d), config=tk.Config.parse(cfg_text))
         torch.cuda.synchronize()
         return None
@@ -156,6 +133,7 @@ def _parse(argv):
     ap.add_argument("--quick", action="store_true", help="N ∈ {1K, 4K, 16K} only")
     ap.add_argument("--workers", type=int, default=12, help="processes that precompile configs")
     ap.add_argument("--no-sdpa", action="store_true")
+    recording.add_arguments(ap)
     opts = ap.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     opts.ns = [1024, 4096, 16384] if opts.quick else ints(opts.n)
@@ -190,18 +168,12 @@ def _load_sm90():
 
 def main(argv=None):
     opts = _parse(argv)
-    import triton
-
     from sage_compile import spec
     from sage_compile.kernels import triton as tk
     sm90 = _load_sm90()
 
-    info = dict(sm90_kernel=({f"{d}/v{v}{'/per_thread_k' if pt else ''}": sm90.kernel_info(d, v, pt)
-                              for d in sm90.HEAD_DIMS for v in range(len(sm90.VARIANTS)) for pt in (False, True)
-                              if sm90.variant_covers(v, d)}
-                             if sm90 else None),
-                device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
-                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+    info = dict(sm90_kernel=_sm90_info(sm90),
+                **recording.environment(), capability=list(torch.cuda.get_device_capability()),
                 cudnn=torch.backends.cudnn.version(), tokens=TOKENS, n_sets=N_SETS,
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
                 tops="4*B*H*N^2*D / t, halved for causal")
@@ -219,10 +191,9 @@ def main(argv=None):
     print(f"precompiled {len(jobs)} variants in {info['precompile_s']} s", flush=True)
 
     rows, sweep = [], []
-    quant = spec.Quantization()
-    quant_pt = spec.Quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
-    quant_16 = spec.Quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (issue 4's accuracy bar)
-    pv16 = sm90 is not None
+    quant = quantization()
+    quant_pt = quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
+    quant_16 = quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (for a stricter accuracy bar)
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
@@ -230,7 +201,7 @@ def main(argv=None):
             sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
             prepared = [spec.prepare(q, k, v, d ** -0.5, quant) for q, k, v in sets]
             prepared_pt = [spec.prepare(q, k, v, d ** -0.5, quant_pt) for q, k, v in sets] if sm90 else []
-            prepared_16 = [spec.prepare(q, k, v, d ** -0.5, quant_16) for q, k, v in sets] if pv16 else []
+            prepared_16 = [spec.prepare(q, k, v, d ** -0.5, quant_16) for q, k, v in sets]
             t_prep = _bench_ms(_rotating([lambda s=s: spec.prepare(*s, d ** -0.5, quant) for s in sets]))
             out, lse = _outputs(batch, heads, n, d)
             for causal in opts.causals:
@@ -249,24 +220,19 @@ def main(argv=None):
                 row = dict(d=d, h=heads, n=n, b=batch, causal=causal, config=str(tk.config_for(kargs[0])),
                            triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
-                if sm90 is not None and sm90.supports(kargs[0]) is None:
-                    for v, key in enumerate(sm90_columns(sm90)):  # the launch shapes
-                        if not sm90.variant_covers(v, d):
-                            continue
-                        t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse, v=v: sm90.run(a, o, s, v)
-                                                      for a in kargs]))
-                        row.update({f"{key}_ms": t_sm90, f"{key}_tops": ops / t_sm90 / 1e9})
+                if sm90 is not None and sm90.supports(kargs[0]) is None:  # its default launch for each input
+                    t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs]))
+                    row.update(sm90_ms=t_sm90, sm90_tops=ops / t_sm90 / 1e9)
                     kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
                     t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
-                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9,
-                               sm90_pt_variant=sm90.variant(d, k_thread_groups=True))
-                if pv16:  # the same inputs with pv='fp16': sm90 (its default fp16 launch shape) and Triton
+                    row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9)
                     kargs_16 = [_kernel_args(p, causal, d) for p in prepared_16]
-                    t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
-                    t_t16 = _time_triton(tk, kargs_16, out, lse)
-                    row.update(sm90_pv16_ms=t_16, sm90_pv16_tops=ops / t_16 / 1e9,
-                               sm90_pv16_variant=sm90.variant(d, True), triton_pv16_ms=t_t16,
-                               triton_pv16_tops=ops / t_t16 / 1e9)
+                    if sm90.supports(kargs_16[0]) is None:  # pv='fp16' on the same inputs
+                        t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
+                        row.update(sm90_pv16_ms=t_16, sm90_pv16_tops=ops / t_16 / 1e9)
+                if prepared_16:
+                    t_t16 = _time_triton(tk, [_kernel_args(p, causal, d) for p in prepared_16], out, lse)
+                    row.update(triton_pv16_ms=t_t16, triton_pv16_tops=ops / t_t16 / 1e9)
                 if not opts.no_sdpa:
                     _time_sdpa(row, sets, causal, ops)
                 rows.append(row)
@@ -282,14 +248,9 @@ def main(argv=None):
     result = dict(info=info, rows=rows, sweep=sweep,
                   sweep_best=[dict(d=k[0], causal=k[1], n=k[2], config=v["config"], tops=v["tops"])
                               for k, v in sorted(best.items())])
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out_dir = os.environ.get("OUT") or os.path.join(repo, "docs", "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "kernel_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    paths = recording.save("kernel_bench", result, opts)
 
-    print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  → {path}")
+    print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  → {', '.join(paths) or '(not saved)'}")
     if best:
         print("best sweep config per (D, causal, N):")
         for k, v in sorted(best.items()):
@@ -300,23 +261,23 @@ def main(argv=None):
           + f" {'triton':>7} {'cudnn':>7} {'flash':>7} {'e2e':>6} {'prep ms':>8}  config")
     for r in rows:
         print(_fmt_row(r, columns))
-    return result
+    return 0
 
 
-def sm90_columns(sm90):
-    """Launch variant i of the sm90 kernel → its column ('sm90' for variant 0, 'sm90_<name>' after)."""
-    short = {"warp_specialized": "", "one_warpgroup": "1wg", "one_warpgroup_3ctas": "3cta", "one_warpgroup_4ctas": "4cta"}
-    names = [short[v] for v in sm90.VARIANTS]
-    return tuple("sm90" + (f"_{n}" if n else "") for n in names)
+def _sm90_info(sm90):
+    """Registers, threads and shared memory of the sm90 kernel's default launch per head dim (None when not built)."""
+    if sm90 is None:
+        return None
+    try:
+        return {str(d): sm90.kernel_info(d) for d in sm90.HEAD_DIMS}
+    except (AttributeError, RuntimeError, TypeError, ValueError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def printed_columns(sm90):
-    """The sm90 columns of the table: every launch variant, then 'sm90_pt' (the default variant on
-    per_thread δK, k_granularity='per_thread'), then 'sm90_pv16' and 'triton_pv16' (pv='fp16', each
-    kernel's default shape)."""
-    if not sm90:
-        return ()
-    return sm90_columns(sm90) + ("sm90_pt", "sm90_pv16", "triton_pv16")
+    """The sm90 columns of the table: its default launch, then 'sm90_pt' (k_granularity='per_thread'), then
+    'sm90_pv16' and 'triton_pv16' (pv='fp16')."""
+    return (("sm90", "sm90_pt", "sm90_pv16") if sm90 else ()) + ("triton_pv16",)
 
 
 def _short(column):
@@ -336,4 +297,4 @@ def _fmt_row(r, sm90_cols=()):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,32 +1,29 @@
 """Whole models at real shapes (random init, nothing downloaded): torch.compile(backend="inductor") vs
 backend="sage" in one run — time per forward, output cosine vs eager bf16, attention's share of GPU time.
 
-    python -m bench.models [--models dit,llama8k,llama32k,vitl] [--layers 2] [--rounds 1]
+    python -m sage_compile bench models [--models dit,llama8k,llama32k,vitl] [--layers 2] [--rounds 1] [--record]
 
 Models: a Wan/Flux-style DiT stack (hidden 3072, head_dim 128, QK-RMSNorm, RoPE, 32K tokens); a
 Llama-3-8B-shaped decoder prefill (hidden 4096, GQA 32/8, head_dim 128, RoPE, causal, 8K and 32K tokens);
 a ViT-L (hidden 1024, 16 heads, 197 tokens, batch 32). A few layers each (--layers): per-layer cost is
 what matters. sage runs with its default, measured thresholds. ``--rounds R`` times the three columns R times,
-interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Writes
-$OUT/models.json (or docs/results/models.json); prints a table last.
+interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Prints a
+table last; ``--record`` writes docs/results/models_<device>.json.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import os
 import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench.e2e_bench import rope, rope_tables
-from bench.kernel_bench import interleaved_ms
+from . import recording
+from .e2e_bench import rope, rope_tables
+from .kernel_bench import interleaved_ms
 
 ATTENTION_KERNELS = ("_attn_fwd", "attention", "fmha", "flash", "cudnn", "sdpa")
 
@@ -92,18 +89,16 @@ def attention_share(fn, x) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m sage_compile bench models", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="dit,llama8k,llama32k,vitl")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="time the columns this many times, interleaved; keep medians")
+    recording.add_arguments(ap)
     opts = ap.parse_args(argv)
-    import triton
-
     import sage_compile
     from sage_compile.backend import collect_reports
 
-    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   layers=opts.layers, rounds=opts.rounds, rows=[])
+    results = dict(**recording.environment(), layers=opts.layers, rounds=opts.rounds, rows=[])
     for name in opts.models.split(","):
         model, x, shape = build(name, opts.layers)
         with torch.no_grad():
@@ -133,10 +128,9 @@ def main(argv=None) -> int:
         del model, inductor, sage, sage_pt
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    path = os.path.join(os.environ.get("OUT") or "docs/results", "models.json")  # kept as models_h200.json
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, {opts.layers} layers")
+    paths = recording.save("models", results, opts)
+    print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, {opts.layers} layers → "
+          f"{', '.join(paths) or '(not saved: --record)'}")
     print("pt: k_granularity='per_thread'")
     print(f"{'model':>9} {'sites':>7} {'inductor ms':>11} {'sage ms':>8} {'x':>5} {'pt ms':>7} {'x pt':>5} {'cos':>8} "
           f"{'cos pt':>8} {'attn% ind/sage':>15}")

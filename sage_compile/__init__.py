@@ -5,8 +5,9 @@ config touched); ``torch.compile(model, backend="sage")`` finds the backend thro
 """
 import os as _os
 
-# passes/ sits at the top of the repository and a wheel installs it as sage_compile.passes (setup.py
-# package_dir). Editable installs map top-level packages only, so a checkout finds it beside us.
+# passes/ and bench/ sit at the top of the repository and a wheel installs them as sage_compile.passes and
+# sage_compile.bench (setup.py package_dir). Editable installs map top-level packages only, so a checkout finds
+# them beside us.
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
         _os.path.join(_checkout, "passes", "__init__.py")):

@@ -79,45 +79,40 @@ def demo(args) -> int:
     return 0 if replaced == args.layers else 1
 
 
-BENCHES = {"kernel": "bench.kernel_bench", "e2e": "bench.e2e_bench", "prep": "bench.prep_profile",
-           "models": "bench.models", "report": "bench.report"}
-
-
 def bench(args) -> int:
-    """bench [kernel|e2e|prep|models|report] [options]: the scripts in bench/ (GPU ones need CUDA)."""
+    """bench <name> [options]: the benchmarks of sage_compile.bench (kernel, e2e and models need CUDA)."""
     import importlib
 
-    import torch
+    from .bench import BENCHMARKS
 
-    rest = list(args.rest)
-    if rest and rest[0] == "--models":  # `bench --models` is `bench models`
-        rest[0] = "models"
-    which = rest.pop(0) if rest and rest[0] in BENCHES else "kernel"
-    if which != "report" and not torch.cuda.is_available():
-        print(f"bench {which}: needs a CUDA GPU (none visible); `bench report` renders existing results")
-        return 2
-    try:
-        module = importlib.import_module(BENCHES[which])
-    except ImportError:
-        print("bench/ is not importable: run `python -m sage_compile bench` from the repository root")
-        return 2
-    return module.main(rest) if which != "report" else module.main()
+    if args.which in ("kernel", "e2e", "models"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"bench {args.which}: needs a CUDA GPU (none visible); `bench accuracy` runs on the CPU and "
+                  "`bench report` renders the recorded results")
+            return 2
+    module = importlib.import_module(f".bench.{BENCHMARKS[args.which][0]}", __package__)
+    return module.main(args.rest) or 0
 
 
 def main(argv=None) -> int:
+    from .bench import BENCHMARKS
+
     parser = argparse.ArgumentParser(prog="python -m sage_compile")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="which kernels are built and which one each device gets")
     d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--seq-len", type=int, default=256)
-    b = sub.add_parser("bench", help="bench [kernel|e2e|prep|models|report] ...: benchmarks (GPU) and the results page")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "bench":
-        args.rest = extra + list(args.rest)  # argparse leaves a leading "--models" unparsed
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    b = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ") and the results page",
+                       description="Benchmarks; `bench <name> --help` lists each one's options, `--record` writes "
+                                   "docs/results/<bench>_<device>.json.",
+                       epilog="benchmarks:\n" + "\n".join(f"  {name:9s} {text}" for name, (_, text) in BENCHMARKS.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("which", choices=list(BENCHMARKS), metavar="{" + ",".join(BENCHMARKS) + "}", help="the benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="its options (see `bench <name> --help`)")
+    args = parser.parse_args(argv)
     return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
 
 

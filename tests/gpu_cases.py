@@ -8,7 +8,7 @@ import os
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.anchors import accuracy_metrics, anchor_qkv
+from sage_compile.bench.distributions import accuracy_metrics, sample_qkv
 from helpers import cosine, rel_l1
 from sage_compile import spec
 from sage_compile.kernels import KernelArgs
@@ -149,7 +149,7 @@ def check_accuracy_vs_fp32(run, causal: int, label: str, device=DEV, quant=spec.
     results = {}
     for name, (cos_min, rel_max) in bounds.items():
         g = torch.Generator(device=device).manual_seed(1234)
-        q, k, v = (t.to(torch.bfloat16) for t in anchor_qkv(name, ACCURACY_SHAPE, g, device))
+        q, k, v = (t.to(torch.bfloat16) for t in sample_qkv(name, ACCURACY_SHAPE, g, device))
         with sdpa_kernel(SDPBackend.MATH):
             ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                                    is_causal=bool(causal))

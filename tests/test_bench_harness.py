@@ -6,7 +6,7 @@ against 0.57 ms of GPU work, and the table showed 0.78x where the kernel gave 1.
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from bench.e2e_bench import attention_block, column_block
+from sage_compile.bench.e2e_bench import attention_block, column_block
 
 
 def test_each_column_keeps_its_compiled_entries_on_its_own_code_object():
@@ -26,7 +26,7 @@ def test_each_column_keeps_its_compiled_entries_on_its_own_code_object():
 def test_columns_are_timed_in_interleaved_rounds_and_kept_as_medians(monkeypatch):
     """bench.kernel_bench.interleaved_ms (e2e_bench and models share it): each round times every column once, in
     order, after an untimed first call, and each column keeps its median over the rounds."""
-    from bench import kernel_bench
+    from sage_compile.bench import kernel_bench
 
     calls, timed = [], []
     fake = iter([3.0, 10.0, 1.0, 12.0, 2.0, 11.0])  # a, b, a, b, a, b

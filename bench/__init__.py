@@ -1,0 +1,14 @@
+"""sage_compile's benchmarks, installed as ``sage_compile.bench``: ``python -m sage_compile bench <name> ...``.
+
+The GPU benchmarks (kernel, e2e, models) need CUDA and Triton; ``accuracy`` runs on the CPU (the exact C++
+reference of the numerics spec); ``report`` renders the results page from the recorded JSON files.
+"""
+
+# name on the command line → (module in this package, one line of help)
+BENCHMARKS = {
+    "kernel": ("kernel_bench", "kernel-only TOPS of the quantized-attention kernels vs SDPA (cuDNN, flash); GPU"),
+    "e2e": ("e2e_bench", "compiled rope → attention, backend='inductor' vs 'sage', prep vs its memory floor; GPU"),
+    "models": ("models", "whole models (DiT, Llama prefill, ViT-L) at real shapes, inductor vs sage; GPU"),
+    "accuracy": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
+    "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
+}
