@@ -100,8 +100,8 @@ if _nvcc():
         ext_modules.append(NvccExtension("sage_compile._sm90", SM90_SOURCES, archs & KERNEL_ARCHS["_sm90"]))
 
 setup(
-    packages=["sage_compile", "sage_compile.kernels", "sage_compile.integrations", "sage_compile.passes",
-              "sage_compile.bench"],
+    packages=["sage_compile", "sage_compile.kernels", "sage_compile.kernels.backward", "sage_compile.integrations",
+              "sage_compile.passes", "sage_compile.bench"],
     package_dir={"sage_compile": "sage_compile", "sage_compile.passes": "passes", "sage_compile.bench": "bench"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExt},

@@ -19,11 +19,11 @@ import os
 import torch
 
 from sage_compile import spec
+from sage_compile import kernels
 from sage_compile.kernels import KernelArgs, cpu
 
 from . import recording
 from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
-from .kernel_bench import quantization
 
 SHAPE = (1, 8, 4096, 128)
 CONFIGS = (  # label → scheme fields
@@ -41,7 +41,7 @@ def int8_pv_study(q, k, v, block_n=64):
     (the block's row max: full 8 bits for every block), V̂ = round(v/δV) with δV = amax/127 per channel, products
     exact, block sums rescaled by exp2(m_blk − m) / 255 in float64; out = O/l·δV, in q's dtype."""
     d = q.shape[-1]
-    p = spec.prepare(q, k, v, d ** -0.5, quantization())
+    p = spec.prepare(q, k, v, d ** -0.5, spec.Scheme())
     s_all = (p.q.double() @ p.k.double().transpose(-1, -2)) * p.q_scale.double()[..., None] \
         * p.k_scale.double()[..., None, :]
     s_all = s_all.float().double()  # the kernel's fp32 scores
@@ -82,7 +82,7 @@ def _run_spec(q, k, v, quant):
     p = spec.prepare(q, k, v, SHAPE[-1] ** -0.5, quant)
     args = KernelArgs.from_prepared(p, None, 0, SHAPE[-1], torch.bfloat16)
     out, lse = torch.empty(SHAPE, dtype=torch.bfloat16), torch.empty(SHAPE[:3])
-    cpu.run(args, out, lse)
+    kernels.run(cpu, args, out, lse)
     return out
 
 
@@ -109,7 +109,7 @@ def k_mean_sample_sweep(opts):
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         for granularity in ("per_token", "per_thread"):
             for sample in (0, 64, 256, 512, 1024):
-                out = _run_spec(q, k, v, quantization(k_granularity=granularity, k_mean_sample=sample))
+                out = _run_spec(q, k, v, spec.Scheme(k_granularity=granularity, k_mean_sample=sample))
                 rows.append(dict(dist=name, k_granularity=granularity, k_mean_sample=sample, **accuracy_metrics(out, ref)))
                 r = rows[-1]
                 print(f"{name:18s} {granularity:10s} S={sample:5d} cos {r['cos']:.6f} relL1 {r['rel_l1']:.5f}", flush=True)
@@ -133,7 +133,7 @@ def main(argv=None):
         bf16 = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         rows.append(dict(dist=name, config="sdpa_bf16", **accuracy_metrics(bf16, ref)))
         for label, fields in CONFIGS:
-            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, quantization(**fields)),
+            rows.append(dict(dist=name, config=label, **accuracy_metrics(_run_spec(q, k, v, spec.Scheme(**fields)),
                                                                          ref)))
         rows.append(dict(dist=name, config="study: pv=int8 (u8 P per block row max, s8 V per channel)",
                          **accuracy_metrics(int8_pv_study(q, k, v), ref)))

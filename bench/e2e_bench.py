@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import recording
 from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
-from .kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _graph_ms, _rotating, interleaved_ms, quantization
+from .kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _graph_ms, _rotating, interleaved_ms
 
 N_DEFAULT = "1024,2048,4096,8192,16384,32768"
 PRODUCERS = ("half", "interleaved", "qknorm_half", "qknorm_interleaved")
@@ -107,21 +107,21 @@ def prep_only(xq, xk, v, cos, sin):
 
     q = rope(xq, cos, sin).transpose(1, 2)
     k = rope(xk, cos, sin).transpose(1, 2)
-    p = spec.prepare(q, k, v.transpose(1, 2), q.shape[-1] ** -0.5, quantization())
+    p = spec.prepare(q, k, v.transpose(1, 2), q.shape[-1] ** -0.5, spec.Scheme())
     return p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale
 
 
 def prep_fused(xq, xk, v, cos, sin):
     """The fused rope prep (sage_compile/prep.py) on the same inputs: what backend="sage" runs for this
     producer when the rotary is absorbed (tables broadcast and transposed as the pass does)."""
-    from sage_compile import prep
+    from sage_compile import prep, spec
 
     def tables(x):
         c, s = (t.expand(*x.shape[:-1], x.shape[-1] // 2).transpose(1, 2) for t in (cos, sin))
         return [c, s, c, s]
 
     p = prep.rope_prepare(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2), tables(xq), tables(xk),
-                          xq.shape[-1] ** -0.5, quantization())
+                          xq.shape[-1] ** -0.5, spec.Scheme())
     return p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale
 
 
@@ -198,11 +198,9 @@ def _accuracy(compiled_sage, d, opts, k_granularity="per_token"):
 
 def _kernel_name(dispatch, spec, d, pv):
     """The quantized-attention kernel a site of head dim d gets (recorded beside the rows)."""
-    try:
-        from sage_compile.kernels import KernelSite
-    except ImportError:  # the dispatch before kernel sites
-        return dispatch.kernel_for_site(torch.device("cuda"), spec.padded_head_dim(d), pv, torch.bfloat16)[0]
-    site = KernelSite(quantization(pv=pv), torch.device("cuda"), torch.bfloat16, spec.padded_head_dim(d))
+    from sage_compile.kernels import KernelSite
+
+    site = KernelSite(spec.Scheme(pv=pv), torch.device("cuda"), torch.bfloat16, spec.padded_head_dim(d))
     return dispatch.kernel_for_site(site)[0]
 
 

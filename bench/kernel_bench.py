@@ -38,12 +38,6 @@ def sweep_candidates(d):
     return ["64,128,4,3,tma", "64,128,4,4,tma", "128,128,4,3", "64,64,4,3"]
 
 
-def quantization(**fields):
-    """The spec's quantization scheme with these fields (``spec.Scheme``; ``spec.Quantization`` before it)."""
-    from sage_compile import spec
-    return spec.Scheme(**fields) if hasattr(spec, "Scheme") else spec.Quantization(**fields)
-
-
 def _bench_ms(fn):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -108,8 +102,8 @@ def _precompile_worker(job):
     try:
         heads = SHAPES[d]
         q, k, v = _make_inputs(1, heads, 256, d, 0)
-        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, quantization()), causal, d)
-        tk.run(args, *_outputs(1, heads, 256, d), config=tk.Config.parse(cfg_text))
+        args = _kernel_args(spec.prepare(q, k, v, d ** -0.5, spec.Scheme()), causal, d)
+        tk.launch(args, *_outputs(1, heads, 256, d), config=tk.Config.parse(cfg_text))
         torch.cuda.synchronize()
         return None
     except Exception as e:  # noqa: BLE001 - reported, the config is then skipped
@@ -154,8 +148,13 @@ def _time_sdpa(row, sets, causal, ops):
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def _runs(module, args) -> bool:
+    """The family takes these inputs (what the dispatcher asks before it launches)."""
+    return module.supports(args.site) is None and module.accepts(args) is None
+
+
 def _time_triton(tk, kargs, out, lse, config=None):
-    return _bench_ms(_rotating([lambda a=a: tk.run(a, out, lse, config=config) for a in kargs]))
+    return _bench_ms(_rotating([lambda a=a: tk.launch(a, out, lse, config=config) for a in kargs]))
 
 
 def _load_sm90():
@@ -191,9 +190,9 @@ def main(argv=None):
     print(f"precompiled {len(jobs)} variants in {info['precompile_s']} s", flush=True)
 
     rows, sweep = [], []
-    quant = quantization()
-    quant_pt = quantization(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
-    quant_16 = quantization(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (for a stricter accuracy bar)
+    quant = spec.Scheme()
+    quant_pt = spec.Scheme(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
+    quant_16 = spec.Scheme(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (for a stricter accuracy bar)
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):
@@ -217,18 +216,18 @@ def main(argv=None):
                 if n not in opts.ns:
                     continue
                 t_tri = _time_triton(tk, kargs, out, lse)
-                row = dict(d=d, h=heads, n=n, b=batch, causal=causal, config=str(tk.config_for(kargs[0])),
+                row = dict(d=d, h=heads, n=n, b=batch, causal=causal, config=str(tk.heuristics(kargs[0])),
                            triton_ms=t_tri, triton_tops=ops / t_tri / 1e9, prepare_ms=t_prep,
                            end_to_end_tops=ops / (t_tri + t_prep) / 1e9)
-                if sm90 is not None and sm90.supports(kargs[0]) is None:  # its default launch for each input
-                    t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs]))
+                if sm90 is not None and _runs(sm90, kargs[0]):  # its default launch for each input
+                    t_sm90 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.launch(a, o, s) for a in kargs]))
                     row.update(sm90_ms=t_sm90, sm90_tops=ops / t_sm90 / 1e9)
                     kargs_pt = [_kernel_args(p, causal, d) for p in prepared_pt]
-                    t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_pt]))
+                    t_pt = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.launch(a, o, s) for a in kargs_pt]))
                     row.update(sm90_pt_ms=t_pt, sm90_pt_tops=ops / t_pt / 1e9)
                     kargs_16 = [_kernel_args(p, causal, d) for p in prepared_16]
-                    if sm90.supports(kargs_16[0]) is None:  # pv='fp16' on the same inputs
-                        t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.run(a, o, s) for a in kargs_16]))
+                    if _runs(sm90, kargs_16[0]):  # pv='fp16' on the same inputs
+                        t_16 = _bench_ms(_rotating([lambda a=a, o=out, s=lse: sm90.launch(a, o, s) for a in kargs_16]))
                         row.update(sm90_pv16_ms=t_16, sm90_pv16_tops=ops / t_16 / 1e9)
                 if prepared_16:
                     t_t16 = _time_triton(tk, [_kernel_args(p, causal, d) for p in prepared_16], out, lse)

@@ -2,7 +2,6 @@
 the compile plumbing."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple

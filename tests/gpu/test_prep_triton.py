@@ -1,6 +1,5 @@
 """The fused rope prep's Triton kernels (sage_compile/kernels/prep_triton.py) against the CPU reference ops,
 and the absorbed rotary through the whole compiled pipeline on the GPU."""
-import os
 
 import pytest
 import torch
@@ -243,11 +242,10 @@ def _block(xq, xk, v, cos, sin, causal=False):
 
 
 @pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_token"), (False, "per_thread")])
-def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity, monkeypatch):
+def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity):
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.delenv("SAGE_Q_PROLOGUE", raising=False)  # Q's step in the prep's kernel (the opt-in prologue: below)
     g = torch.Generator(device=DEV).manual_seed(7)
     n, heads, d = 2048, 8, 128
     xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() for _ in range(3))
@@ -299,14 +297,13 @@ def _flux_block(xq, xk, v, freqs, wq, wk, causal=False):
 
 
 @pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_thread")])
-def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k_granularity, monkeypatch):
+def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k_granularity):
     """QK-norm + interleaved rotary (the Flux/SD3 form) compiled on the GPU: both producers absorbed, our prep kernels
     in the generated code and none of Inductor's reductions (the norms' mean squares live in our kernels), and the
     output as close to fp32 as the generic path's (which keeps the producers in Inductor's own kernels)."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.delenv("SAGE_Q_PROLOGUE", raising=False)
     g = torch.Generator(device=DEV).manual_seed(9)
     n, heads, d = 2048, 8, 128
     xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() * 2 for _ in range(3))
@@ -332,47 +329,3 @@ def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k
     cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
     print(f"causal={causal} K {k_granularity}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
     assert cos_fused > 0.999 and cos_fused > cos_generic - 1e-4
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_compiled_rotary_quantizes_q_in_the_sm90_prologue(causal, monkeypatch):
-    """With SAGE_Q_PROLOGUE=1 (opt-in) the absorbed rotary's Q step moves into the sm90 kernel (sage.rope_q_attention):
-    one rope-quantize launch fewer in the generated code, raw Q handed over as a view (no copy), no int8 Q op, and
-    the same output bits as with the prep's Q kernel (both quantize exactly as prep.rope_quantize_reference, and
-    feed the same kernel loop)."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
-
-    from sage_compile import dispatch
-
-    if torch.cuda.get_device_capability() != (9, 0) or dispatch._load("sage_compile.kernels.sm90") is None:
-        pytest.skip("needs the sm90 kernel on a Hopper GPU")
-    g = torch.Generator(device=DEV).manual_seed(8)
-    n, heads, d = 1024, 8, 128
-    xq, xk, v = (torch.randn(2, n, heads, d, generator=g, device=DEV).bfloat16() for _ in range(3))
-    angles = torch.rand(n, 1, d // 2, generator=g, device=DEV) * 6.3
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    k_granularity = "per_thread"
-    config = ALWAYS.replace(k_granularity=k_granularity)
-    outs, codes = {}, {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("SAGE_Q_PROLOGUE", mode)
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = sage_compile.compile(_block, config=config, options={"force_disable_caches": True})
-        with torch.no_grad():
-            outs[mode], code = run_and_get_code(compiled, xq, xk, v, cos, sin, causal)
-        codes[mode] = "\n".join(code)
-        dump = os.environ.get("SAGE_DUMP_CODE_DIR")
-        if dump:  # the device script keeps the generated code for reading
-            with open(os.path.join(dump, f"rope_q_{mode}_{int(causal)}.py"), "w") as f:
-                f.write(codes[mode])
-        assert (counters["sage"]["q_rope_in_kernel"] > 0) == (mode == "1"), dict(counters["sage"])
-        assert counters["sage"]["q_rope_outside_kernel"] == 0, dict(counters["sage"])
-    on, off = codes["1"], codes["0"]
-    assert "torch.ops.sage.rope_q_attention.default(" in on and "torch.ops.sage.quantized_attention.default(" not in on
-    assert "rope_q_attention" not in off
-    assert on.count("_rope_quantize_kernel") < off.count("_rope_quantize_kernel")
-    assert "reinterpret_tensor(arg" in on.split("torch.ops.sage.rope_q_attention.default(")[1][:40]  # raw Q: a view
-    diff = (outs["1"].float() - outs["0"].float()).abs()
-    assert torch.equal(outs["1"], outs["0"]), f"{int((diff > 0).sum())} of {diff.numel()} differ, max {diff.max().item()}"

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sage_compile.kernels import KernelArgs
+from sage_compile.kernels import KernelArgs, check_inputs, mask_problem
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
@@ -48,20 +48,20 @@ def captured_launch(args):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        tk.run(args, out, lse)
+        tk.launch(args, out, lse)
     torch.cuda.current_stream().wait_stream(stream)
     out.fill_(math.nan)
     lse.fill_(math.nan)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk.run(args, out, lse)
+        tk.launch(args, out, lse)
     graph.replay()
     torch.cuda.synchronize()
     return graph, out, lse
 
 
 def assert_matches_oracle(args, config=None):
-    cfg = config or tk.config_for(args)
+    cfg = config or tk.heuristics(args)
     out, lse = run_kernel(args, cfg)
     torch.cuda.synchronize()
     return assert_close_to_oracle(args, out, lse, cfg)
@@ -73,7 +73,9 @@ def assert_close_to_oracle(args, out, lse, cfg):
 
 def run_kernel(args, config=None):
     out, lse = poisoned_outputs(args)
-    tk.run(args, out, lse, config=config)
+    check_inputs(args, out, lse)
+    assert tk.supports(args.site) is None and tk.accepts(args) is None
+    tk.launch(args, out, lse, config=config)
     return out, lse
 
 
@@ -120,9 +122,9 @@ def test_every_mask_kind(mask, pv):
 
 @pytest.mark.parametrize("mask", ["bool[B,1]", "fp32[B,Hq]"])
 @pytest.mark.parametrize("d,config", [(128, c) for c in ("64,128,4,3,tma", "64,64,4,3", "128,128,8,3",
-                                                         "64,128,4,3,plain")] + [(256, "64,64,4,2")])
+                                                         "128,128,8,3,tma")] + [(256, "64,64,4,2")])
 def test_masked_configs(d, config, mask):
-    """Masks with several launch configs (fitted to shared memory the way config_for fits its own)."""
+    """Masks with several launch configs (fitted to shared memory the way heuristics fits its own)."""
     kv_lens = torch.tensor([190, 7], device=DEV, dtype=torch.int32)
     args = make_case(2, 4, 1, 257, 200, d, causal=1, pv=PVS[0], smooth_q=True, smooth_v=True, q_block=48,
                      kv_lens=kv_lens, seed=3, mask=mask)
@@ -159,7 +161,7 @@ def test_out_dtypes(out_dtype):
 
 
 CONFIGS = [(128, c) for c in ("64,128,4,3,tma", "64,128,4,3", "64,64,4,3", "128,128,8,3", "128,64,8,2",
-                                "128,128,8,3,tma", "64,128,4,3,plain")]
+                                "128,128,8,3,tma")]
 CONFIGS += [(64, c) for c in ("64,128,4,3,tma", "128,128,4,3", "64,64,4,3")]
 
 
@@ -185,8 +187,7 @@ def test_no_keys():
     v_dtype = q_args.v.dtype
     args = KernelArgs(q_args.q, q_args.q_scale, torch.empty(2, 1, 0, 64, dtype=torch.int8, device=DEV),
                       torch.empty(2, 1, 0, device=DEV), torch.empty(2, 1, 64, 0, dtype=v_dtype, device=DEV),
-                      torch.ones(2, 1, 64, device=DEV), None, None, None, 128, 1, 64, torch.bfloat16)
-    assert tk.supports(args) is None
+                      torch.ones(2, 1, 64, device=DEV), None, None, None, None, 1, 64, torch.bfloat16, q_args.scheme)
     out, lse = run_kernel(args)
     assert (out == 0).all() and torch.isneginf(lse).all()
     kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
@@ -216,7 +217,7 @@ def test_cuda_graph_replay_with_mask_equals_oracle():
     kv_lens = torch.tensor([700, 333], dtype=torch.int32, device=DEV)
     args = make_case(2, 8, 2, 300, 700, 128, causal=2, pv=PVS[0], smooth_q=True, smooth_v=True, seed=21,
                      kv_lens=kv_lens, mask="fp32[B,1]-expanded")
-    cfg = tk.config_for(args)
+    cfg = tk.heuristics(args)
     eager_out, eager_lse = run_kernel(args)  # compiles outside the capture
     graph, out, lse = captured_launch(args)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
@@ -239,14 +240,14 @@ def test_cuda_graph_replay_with_mask_equals_oracle():
 
 def test_supports_reasons():
     args = make_case(1, 1, 1, 8, 8, 64, pv=PVS[0])
-    assert tk.supports(args) is None
-    cpu = KernelArgs(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in vars(args).values()))
-    assert "CUDA" in tk.supports(cpu)
-    odd = KernelArgs(**{**vars(args), "q": args.q[..., :48].contiguous(), "k": args.k[..., :48].contiguous()})
-    assert "head dim" in tk.supports(odd)
+    assert tk.supports(args.site) is None and tk.accepts(args) is None
+    assert "CUDA" in tk.supports(dataclasses.replace(args.site, device=torch.device("cpu")))
+    assert "head dim" in tk.supports(dataclasses.replace(args.site, head_dim=48))
+    strided = dataclasses.replace(args, q=args.q.transpose(-1, -2).contiguous().transpose(-1, -2))
+    assert "contiguous" in tk.accepts(strided)
     for mask in (torch.ones(1, 1, 8, 8, dtype=torch.bool, device=DEV), torch.zeros(1, 1, 8, 8, device=DEV),
                  torch.zeros(1, 1, 1, 8, device=DEV).expand(1, 1, 8, 8)):
-        assert tk.supports(dataclasses.replace(args, attn_mask=mask)) is None
+        assert mask_problem(dataclasses.replace(args, attn_mask=mask)) is None
     bad = [
         ("bool or float32", torch.zeros(1, 1, 8, 8, dtype=torch.float16, device=DEV)),
         ("bool or float32", torch.ones(1, 1, 8, 8, dtype=torch.uint8, device=DEV)),
@@ -256,7 +257,7 @@ def test_supports_reasons():
         ("must be on", torch.ones(1, 1, 8, 8, dtype=torch.bool)),
     ]
     for reason, mask in bad:
-        assert reason in tk.supports(dataclasses.replace(args, attn_mask=mask)), (reason, mask.shape, mask.dtype)
+        assert reason in mask_problem(dataclasses.replace(args, attn_mask=mask)), (reason, mask.shape, mask.dtype)
 
 
 @pytest.mark.parametrize("causal", [0, 1])
