@@ -94,7 +94,7 @@ def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: 
         patches[key] = value
     # The prep's Triton kernels (torch.library.triton_op) are user-defined kernels to Inductor, which launches them
     # through Triton's Python launcher unless told otherwise; its static (C++) launcher, which its own kernels use,
-    # costs less host time per launch (session 20, tools/host_overhead.py). Options= can still turn it off.
+    # costs less host time per launch. Options= can still turn it off.
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
         patches.setdefault("static_launch_user_defined_triton_kernels", True)
     return patches

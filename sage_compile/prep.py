@@ -3,7 +3,7 @@ optionally after a per-head RMS norm (QK-norm).
 
 Inductor fuses ``spec.prepare`` into the rotary that produced q and k, but not near the memory floor: its
 Q kernel (rotary + per-token amax + int8 cast) ran at 3.4× its floor on the H200 and its K prep read k
-three times (docs/notes.md). When the stage-1 pass ``passes/absorb_rope.py`` finds q and k made by a
+three times. When the stage-1 pass ``passes/absorb_rope.py`` finds q and k made by a
 rotary (and an RMS norm before it), the site becomes ``sage.rope_attention``, whose prep is two steps with Triton
 kernels on CUDA:
 

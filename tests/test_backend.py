@@ -83,19 +83,23 @@ def test_unsupported_sites_stay_sdpa_with_a_reason():
             torch.compile(Mixed(), backend=sage_backend, options={**FAST, "fallback": "error"})(q, k, v, mask)
 
 
-def test_training_keeps_sdpa():
+def test_training_runs_sage_with_its_backward():
+    """Inputs that require grad: the sites are replaced, the forward is 8-bit and the backward family (SDPA's exact
+    gradient, SageConfig.backward) gives every parameter a gradient."""
     model = DemoTransformer(layers=2, dim=64, heads=4)
     x = torch.randn(1, 16, 64)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
-        return sage_backend(gm, example_inputs, options={"inner_backend": "aot_eager", "allow_fp32": True})
+        return sage_backend(gm, example_inputs, options={"inner_backend": "aot_eager", "allow_fp32": True,
+                                                         "min_seq_len": 0})
 
     out = torch.compile(model, backend=backend)(x)
-    out.sum().backward()  # still differentiable: the sites stayed SDPA
-    assert _count(graphs, torch.ops.sage.attention.default) == 0
-    assert torch._dynamo.utils.counters["sage"]["sites_kept_sdpa"] == 2
+    out.sum().backward()
+    assert _count(graphs, torch.ops.sage.attention.default) == 2
+    assert torch._dynamo.utils.counters["sage"]["with_backward"] >= 2  # (counted each time AOTAutograd traces)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_dynamic_sequence_length_does_not_recompile():
@@ -120,7 +124,7 @@ def test_dynamic_sequence_length_does_not_recompile():
 def test_options_split_between_sage_and_inductor():
     config, rest = SageConfig.from_options({"smooth_q": True, "max_autotune": True,
                                             "sage_config": SageConfig(pv="fp16")})
-    assert config.smooth_q and config.pv == "fp16" and rest == {"max_autotune": True}
+    assert config.scheme.smooth_q and config.scheme.pv == "fp16" and rest == {"max_autotune": True}
     patches = inductor_patches(config, "reduce-overhead", rest, SiteReport())
     assert patches["triton.cudagraphs"] is True and patches["max_autotune"] is True
     stage2 = patches["joint_custom_post_pass"]

@@ -1,7 +1,7 @@
 """The end-to-end benchmark's harness (bench/e2e_bench.py): each column compiles its own code object.
 
 With one function for every column, Dynamo kept every column's compiled entries on one code object and checked their
-guards in turn on each call: on the H100 (session 19) the last-compiled column spent 0.76 ms of host time a call
+guards in turn on each call: on the H100 the last-compiled column spent 0.76 ms of host time a call
 against 0.57 ms of GPU work, and the table showed 0.78x where the kernel gave 1.07x."""
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list

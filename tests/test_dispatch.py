@@ -122,7 +122,7 @@ def test_masked_threshold_reasons_name_the_mask(monkeypatch):
                         (torch.ones(1, 1, 1, 1024, dtype=torch.bool), "key length 1024 < 4096 (sites with a mask "
                                                                       "shared by all queries")):
         reason = sdpa_is_faster(AttentionCall(q, q, q, attn_mask=mask), SageConfig())
-        assert words in reason and "bias_e2e" in reason, reason
+        assert words in reason and "bench e2e --mask" in reason, reason
     assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig())
 
 
@@ -146,11 +146,11 @@ def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     monkeypatch.setattr(thresholds, "min_seq_len", lambda device, *a, **k: real(cuda, *a, **k))
     q = torch.empty(1, 2, 32768, 128, device="meta")
     reason = sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16"))
-    assert "every key length for this pv" in reason and "e2e_bench_pv_fp16" in reason, reason
+    assert "every key length for this pv" in reason and "pv='fp16' measured on the H100" in reason, reason
     assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16", min_seq_len=0)) is None
     assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig()) is None  # fp8 at 32K: sage
     padded = torch.ones(1, 1, 1, 32768, dtype=torch.bool)
     assert sdpa_is_faster(AttentionCall(q, q, q, attn_mask=padded), SageConfig(pv="fp16")) is None  # ≥ 16K
     short = torch.empty(1, 2, 4096, 128, device="meta")
     reason = sdpa_is_faster(AttentionCall(short, short, short, attn_mask=padded[..., :4096]), SageConfig(pv="fp16"))
-    assert "key length 4096 < 16384" in reason and "bias_e2e_pv_fp16" in reason, reason
+    assert "key length 4096 < 16384" in reason and "pv='fp16' measured" in reason, reason

@@ -87,8 +87,8 @@ def _mul_rn(a, b):
 # x̂ = rint(x·inv) (spec.quantize_symmetric: inv = 1/δ rounded, the product rounded, then round half to even) as the
 # bits of M + x̂ (M = 1.5·2^23: the sum's ulp is 1, so the add is the rint, and the low byte is x̂'s int8). |x̂| ≤ 127
 # with no clamp: |x| ≤ amax and δ ≥ amax/127 (spec.fma_friendly rounds δ up), so |x·inv| ≤ 127·(1 + 2^-23). Two SASS
-# instructions per element (until session 22 the spec divided, and this took 6 with a vote and a rare division:
-# the quantize kernels are issue-bound, docs/notes.md session 22).
+# instructions per element (an IEEE quotient x/δ took 6 with a vote and a rare division, and the quantize kernels
+# are issue-bound).
 @triton.jit
 def _quantized_int8(x, inv):
     """int8 rint(x·inv): the product as mul.rn (never contracted into the add), the rint from adding M."""
@@ -159,8 +159,8 @@ def _deinterleaved(x_ptr, pair_offset, mask):
     """(even, odd) channels of x's channel pairs at ``pair_offset`` (counted in pairs), fp32: each pair read as one
     word — 32 bits for 16-bit floats, 64 for fp32 — and split by integer casts (little-endian: the even channel is
     the low half). Every tensor stays [rows, D/2] in one register layout: the split of a [rows, D/2, 2] tile cost
-    shared-memory layout conversions (23 barriers, 4× the half-split kernel's time, session 24), and stride-2 loads
-    were uncoalesced (6×)."""
+    shared-memory layout conversions (23 barriers, 4× the half-split kernel's time), and stride-2 loads were
+    uncoalesced (6×)."""
     X: tl.constexpr = x_ptr.dtype.element_ty
     if X == tl.float32:
         w = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + pair_offset, mask=mask, other=0)
@@ -336,9 +336,9 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
                           MEAN: tl.constexpr):
     """The second step of μK's sums and δV's amax: out[bh, c] = (Σ_s in[bh, s, c]) / COUNT (MEAN) or max_s in[bh, s, c]
     over the SPLITS partials of a head, COLS channels a program. The sum's order is fixed — CHUNK splits at a time, each
-    chunk by tl.sum of one layout, chunks in order — so the same partials give the same bits on every compile. (Until
-    session 21 Inductor generated this step; its autotuner could pick a different config, so a different summation
-    order, on each compile — and once picked a config 4× slower for δV's max: 6.2 µs against 1.4.)"""
+    chunk by tl.sum of one layout, chunks in order — so the same partials give the same bits on every compile. (Left
+    to Inductor, its autotuner could pick a different config, so a different summation order, on each compile — and
+    once picked a config 4× slower for δV's max: 6.2 µs against 1.4.)"""
     bh = tl.program_id(0)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     base = in_ptr + bh * SPLITS * D

@@ -128,8 +128,8 @@ def test_masked_attention_runs_in_the_triton_kernel():
 @pytest.mark.parametrize("path", ["compiled", "eager"])
 def test_all_zero_channels_and_rows_stay_finite(path):
     """A dead V channel (amax 0) and a head whose keys are all equal (k − μK = 0). δ and δV are then the smallest
-    normal float (spec: 1/δ stays finite; before session 22 they were subnormal, and a GPU division that flushed
-    subnormals made 0/0 = NaN); the spec gives exact zeros."""
+    normal float (spec: 1/δ stays finite; were they subnormal, a GPU division that flushes subnormals would make
+    0/0 = NaN); the spec gives exact zeros."""
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 4, 1024, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
     v[..., 5] = 0
