@@ -15,6 +15,7 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, judge_site
 from sage_compile.support import AttentionCall, causal_mode
 
+from .helpers import is_call, value_of
 from .rewrite_sdpa import SDPA_TARGETS as SDPA_CALLS
 
 aten = torch.ops.aten
@@ -30,7 +31,7 @@ SDPA_VARIANTS = {
 def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: SiteReport) -> None:
     index = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA_VARIANTS or _judged_in_stage1(node):
+        if not is_call(node, SDPA_VARIANTS) or _judged_in_stage1(node):
             continue
         name = f"{node.target.__name__.split('.')[0]}#{index}"
         index += 1
@@ -47,11 +48,10 @@ def _judged_in_stage1(node: torch.fx.Node) -> bool:
 
 def _analyse(node: torch.fx.Node):
     kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
     mask_name = SDPA_VARIANTS[node.target]
     call = AttentionCall(
-        val(kwargs["query"]), val(kwargs["key"]), val(kwargs["value"]),
-        attn_mask=val(kwargs.get(mask_name)) if mask_name else None,
+        value_of(kwargs["query"]), value_of(kwargs["key"]), value_of(kwargs["value"]),
+        attn_mask=value_of(kwargs.get(mask_name)) if mask_name else None,
         dropout_p=kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False),
         scale=kwargs.get("scale"), enable_gqa=False,
     )
