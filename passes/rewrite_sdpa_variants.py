@@ -64,6 +64,8 @@ def _analyse(node: torch.fx.Node):
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, config: SageConfig) -> None:
+    """Trace sage.attention's decomposition for these inputs and copy it in before ``node``: this pass runs after
+    AOTAutograd, so the op must arrive already decomposed (the prep in aten + sage.quantized_attention)."""
     from torch._inductor.pattern_matcher import fwd_only
 
     kwargs = dict(scale=call.scale, causal=causal_mode(call.is_causal), **config.op_kwargs())
@@ -78,22 +80,12 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, co
         sub = fwd_only(unmasked, [call.q, call.k, call.v])
     else:
         sub = fwd_only(masked, [call.q, call.k, call.v, call.attn_mask])
-    env = {}
+    if any(n.op == "get_attr" for n in sub.graph.nodes):  # a constant would need copying into the module too
+        raise RuntimeError("sage decomposition captured a constant; cannot inline it")
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for placeholder, arg in zip(placeholders, call.nodes):
-        env[placeholder] = arg
-    result = None
     with graph.inserting_before(node):
-        for sub_node in sub.graph.nodes:
-            if sub_node.op == "placeholder":
-                continue
-            if sub_node.op == "output":
-                result = env[sub_node.args[0][0] if isinstance(sub_node.args[0], (tuple, list)) else sub_node.args[0]]
-                continue
-            if sub_node.op == "get_attr":
-                raise RuntimeError("sage decomposition captured a constant; cannot inline it")
-            env[sub_node] = graph.node_copy(sub_node, lambda n: env[n])
-    for user in list(node.users):
+        result = graph.graph_copy(sub.graph, dict(zip(placeholders, call.nodes)))
+    for user in list(node.users):  # getitem(node, 0), the only use _analyse lets through
         user.replace_all_uses_with(result)
         graph.erase_node(user)
     graph.erase_node(node)
