@@ -518,8 +518,8 @@ def _half_table_node(graph, half) -> Node:
 
 def _opaque_interleaved_tables(rope: Rope, d: int) -> bool:
     """Full-width interleaved tables not known to repeat each angle: the fused kernels would read their even and odd
-    entries separately, per head — measured 8-15× slower than Inductor's fusion of that rotary (H200, session 24:
-    docs/results/producers_bench_h200_s24_first.json), so such a site keeps the generic path."""
+    entries separately, per head, which runs 8-15× slower on an H200 than Inductor's own fusion of that rotary, so
+    such a site keeps the generic path."""
     if not rope.interleaved or _pair_tables(rope) is not None:
         return False
     return any(isinstance(x, tuple) and value_of(x[0]).shape[-1] == d for x in rope.tables)
