@@ -536,40 +536,50 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
         rq, rk = match_rope(q), match_rope(k)
         if rq is None or rk is None or rq.interleaved != rk.interleaved:  # Q and K must share one channel order
             continue
-        with gm.graph.inserting_before(node):
-            inputs = []
-            for rope in (rq, rk):
-                d = value_of(rope.x).shape[-1]
-                at_rotary = _apply_views(gm.graph, rope.x, rope.pre_views)  # x in the rotary's layout
-                x = _apply_views(gm.graph, at_rotary, rope.views)
-                # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
-                first = _with_val(gm.graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
-                pairs = _pair_tables(rope)
-                table_nodes = rope.tables
-                if pairs is not None:  # [t_c, t_s, t_c, t_s]: the same nodes, so the kernels read each once
-                    half_c, half_s = _half_table_node(gm.graph, pairs[0]), _half_table_node(gm.graph, pairs[1])
-                    table_nodes = [half_c, half_s, half_c, half_s]
-                made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
-                for t in table_nodes:
-                    key = t if isinstance(t, tuple) else (t, None)
-                    if key not in made:
-                        made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, first, d), rope.views)
-                tables = [made[t if isinstance(t, tuple) else (t, None)] for t in table_nodes]
-                inputs.append((x, tables))
-            (xq, q_tables), (xk, k_tables) = inputs
-            kwargs = dict(node.kwargs, interleaved=rq.interleaved)
-            for name, rope in (("q", rq), ("k", rk)):
-                if rope.norm is not None:
-                    weight, eps = rope.norm
-                    if weight is not None:
-                        weight = _with_val(gm.graph.call_method("reshape", (weight, value_of(weight).shape[-1])))
-                    kwargs.update({f"{name}_norm_weight": weight, f"{name}_norm_eps": eps})
-            new = gm.graph.call_function(torch.ops.sage.rope_attention.default,
-                                         (xq, xk, v, q_tables, k_tables), kwargs)
-        replace_node(gm.graph, node, new)
-        torch._dynamo.utils.counters["sage"]["rope_absorbed"] += 1
+        _replace(gm.graph, node, rq, rk, v)
+        counters = torch._dynamo.utils.counters["sage"]
+        counters["rope_absorbed"] += 1
         if rq.interleaved:
-            torch._dynamo.utils.counters["sage"]["rope_interleaved"] += 1
-        torch._dynamo.utils.counters["sage"]["qk_norm_absorbed"] += (rq.norm is not None) + (rk.norm is not None)
+            counters["rope_interleaved"] += 1
+        counters["qk_norm_absorbed"] += (rq.norm is not None) + (rk.norm is not None)
         changed = True
     return finish_rewrite(gm, changed)
+
+
+def _replace(graph: torch.fx.Graph, node: Node, rq: Rope, rk: Rope, v: Node) -> None:
+    """sage.attention → sage.rope_attention on the rotaries' inputs and tables. The op's own keyword arguments are
+    passed on as they are: this pass only adds what the rotary and the norms need."""
+    with graph.inserting_before(node):
+        xq, q_tables = _rotary_inputs(graph, rq)
+        xk, k_tables = _rotary_inputs(graph, rk)
+        kwargs = dict(node.kwargs, interleaved=rq.interleaved)
+        for name, rope in (("q", rq), ("k", rk)):
+            if rope.norm is not None:
+                weight, eps = rope.norm
+                if weight is not None:
+                    weight = _with_val(graph.call_method("reshape", (weight, value_of(weight).shape[-1])))
+                kwargs.update({f"{name}_norm_weight": weight, f"{name}_norm_eps": eps})
+        new = graph.call_function(torch.ops.sage.rope_attention.default,
+                                  (xq, xk, v, q_tables, k_tables), kwargs)
+    replace_node(graph, node, new)
+
+
+def _rotary_inputs(graph: torch.fx.Graph, rope: Rope) -> Tuple[Node, List[Node]]:
+    """(x, [c₁, s₁, c₂, s₂]) as the fused prep reads them: x through the views to the attention layout, each table
+    expanded to x₁'s shape and viewed the same way."""
+    d = value_of(rope.x).shape[-1]
+    at_rotary = _apply_views(graph, rope.x, rope.pre_views)  # x in the rotary's layout
+    x = _apply_views(graph, at_rotary, rope.views)
+    # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
+    first = _with_val(graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
+    pairs = _pair_tables(rope)
+    table_nodes = rope.tables
+    if pairs is not None:  # [t_c, t_s, t_c, t_s]: the same nodes, so the kernels read each once
+        half_c, half_s = _half_table_node(graph, pairs[0]), _half_table_node(graph, pairs[1])
+        table_nodes = [half_c, half_s, half_c, half_s]
+    made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
+    for t in table_nodes:
+        key = t if isinstance(t, tuple) else (t, None)
+        if key not in made:
+            made[key] = _apply_views(graph, _table_node(graph, t, first, d), rope.views)
+    return x, [made[t if isinstance(t, tuple) else (t, None)] for t in table_nodes]
