@@ -1,7 +1,19 @@
-"""FX passes, in the order they run (installed as ``sage_compile.passes``).
+"""FX passes that turn attention into ``sage.attention`` (installed as ``sage_compile.passes``).
 
-Stage 1 runs on the Dynamo graph (torch IR) inside the backend, before AOTAutograd. Stage 2 passes run
-inside Inductor, handed over through ``compile_fx(config_patches=...)`` as CustomGraphPasses.
+Stage 1 runs on the Dynamo graph (torch IR) inside the backend, before AOTAutograd, in this order:
+
+* ``rewrite_sdpa`` — F.scaled_dot_product_attention → sage.attention, where supported;
+* ``match_manual_attention`` — hand-written softmax(Q·Kᵀ·s + mask)·V → sage.attention;
+* ``absorb_rope`` — sage.attention whose q and k come from a rotary (and an RMS norm before it) →
+  sage.rope_attention, so the fused prep computes them.
+
+Stage 2 runs inside Inductor, on the joint graph (aten IR), handed over as a CustomGraphPass through
+``compile_fx(config_patches=...)``:
+
+* ``rewrite_sdpa_variants`` — the SDPA variants Inductor's own fuse_attention made from attention that stage 1
+  did not see → sage.attention's decomposition.
+
+``helpers`` holds what the passes share; ``graph_pass`` the CustomGraphPass plumbing.
 """
 from .absorb_rope import absorb_rope
 from .graph_pass import SagePass
@@ -9,6 +21,7 @@ from .match_manual_attention import match_manual_attention
 from .rewrite_sdpa import rewrite_sdpa
 from .rewrite_sdpa_variants import rewrite_sdpa_variants
 
+# Stage 1, in order: rewrite_sdpa and match_manual_attention make the sage.attention nodes absorb_rope looks for.
 STAGE1 = (rewrite_sdpa, match_manual_attention, absorb_rope)
 
 
@@ -19,5 +32,7 @@ def run_stage1(gm, config, report):
 
 
 def stage2_patches(config, report):
-    """Inductor config patches that install our stage-2 passes (one callable per hook: torch 2.11)."""
+    """Inductor config patches that install the stage-2 pass. joint_custom_post_pass runs after Inductor's pattern
+    passes (fuse_attention among them), so the SDPA variants they made are there to rewrite. One callable per
+    hook: torch 2.11 takes no list there."""
     return {"joint_custom_post_pass": SagePass(rewrite_sdpa_variants, config, report)}

@@ -32,10 +32,10 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from sage_compile.config import SageConfig
-from sage_compile.passes.graph_pass import finish_rewrite, replace_node
 from sage_compile.sites import SiteReport
 
-Node = torch.fx.Node
+from .helpers import Node, arg_of, finish_rewrite, is_call, replace_node, strip_casts, value_of
+
 MUL = {operator.mul, torch.mul}
 ADD = {operator.add, torch.add}
 SUB = {operator.sub, torch.sub}
@@ -47,7 +47,6 @@ RSQRT = {torch.rsqrt}
 MEAN = {torch.mean}
 POW = {torch.pow, operator.pow}
 RMS_NORM = {torch.nn.functional.rms_norm, getattr(torch, "rms_norm", torch.nn.functional.rms_norm)}
-CAST_METHODS = {"float", "half", "bfloat16", "to", "type_as", "type"}
 
 
 @dataclass
@@ -60,18 +59,6 @@ class Rope:
     pre_views: List[Tuple[str, tuple]] = field(default_factory=list)  # from x to the rotary's input (after a norm)
 
 
-def _val(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else None
-
-
-def _is_call(node, functions, method: Optional[str] = None) -> bool:
-    if not isinstance(node, Node):
-        return False
-    if node.op == "call_function" and node.target in functions:
-        return True
-    return method is not None and node.op == "call_method" and node.target == method
-
-
 def _plain_args(node: Node, count: int) -> Optional[tuple]:
     """The first ``count`` positional operands, when there are no others (e.g. no alpha= on add/sub)."""
     if len(node.args) != count or node.kwargs:
@@ -80,28 +67,14 @@ def _plain_args(node: Node, count: int) -> Optional[tuple]:
 
 
 def _last_dim(node: Node, dim) -> bool:
-    val = _val(node)
-    return val is not None and isinstance(dim, int) and dim in (-1, val.dim() - 1)
-
-
-def _strip_casts(node):
-    """The tensor under dtype casts (x.float(), .to(dtype), type_as, ...): the fused prep keeps the producer chain in
-    fp32, so a cast inside it is a rounding skipped (prep.py), never a different function."""
-    while isinstance(node, Node) and node.op == "call_method" and node.target in CAST_METHODS and node.args:
-        src, val = node.args[0], _val(node)
-        src_val = _val(src)
-        if val is None or src_val is None or val.shape != src_val.shape or val.device != src_val.device:
-            return node
-        if not (val.is_floating_point() and src_val.is_floating_point()):
-            return node
-        node = src
-    return node
+    val = value_of(node)
+    return isinstance(val, torch.Tensor) and isinstance(dim, int) and dim in (-1, val.dim() - 1)
 
 
 def _last_slice(node) -> Optional[slice]:
     """s for src[..., s] (every other index a full slice)."""
     src, index = node.args
-    val = _val(src)
+    val = value_of(src)
     if val is None or not isinstance(index, tuple) or not index:
         return None
     *lead, last = index
@@ -116,9 +89,9 @@ def _last_slice(node) -> Optional[slice]:
 
 def _pairs_source(node) -> Optional[Node]:
     """x for x.reshape(*x.shape[:-1], -1, 2) (or view / unflatten(-1, (-1, 2))): x's channel pairs."""
-    val, src = _val(node), node.args[0] if node.args else None
-    src_val = _val(src)
-    if val is None or src_val is None or not _is_call(node, {torch.reshape}, "reshape") and not (
+    val, src = value_of(node), node.args[0] if node.args else None
+    src_val = value_of(src)
+    if val is None or src_val is None or not is_call(node, {torch.reshape}, "reshape") and not (
             node.op == "call_method" and node.target in ("view", "unflatten")):
         return None
     if val.dim() != src_val.dim() + 1 or tuple(val.shape[-1:]) != (2,) or val.shape[:-2] != src_val.shape[:-1]:
@@ -132,26 +105,26 @@ def _part_of(node) -> Optional[Tuple[Node, int, bool]]:
     if not isinstance(node, Node) or node.op != "call_function" or node.target is not operator.getitem:
         return None
     src, index = node.args
-    if isinstance(src, Node) and (_is_call(src, {torch.chunk}, "chunk")) and index in (0, 1):
-        chunks = src.args[1] if len(src.args) > 1 else src.kwargs.get("chunks")
-        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+    if isinstance(src, Node) and (is_call(src, {torch.chunk}, "chunk")) and index in (0, 1):
+        chunks = arg_of(src, 1, "chunks")
+        dim = arg_of(src, 2, "dim", 0)
         x = src.args[0]
-        if chunks == 2 and _last_dim(x, dim) and _val(x).shape[-1] % 2 == 0:
-            return _strip_casts(x), index, False
+        if chunks == 2 and _last_dim(x, dim) and value_of(x).shape[-1] % 2 == 0:
+            return strip_casts(x, float_only=True), index, False
         return None
-    if isinstance(src, Node) and _is_call(src, {torch.unbind}, "unbind") and index in (0, 1):
-        dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
+    if isinstance(src, Node) and is_call(src, {torch.unbind}, "unbind") and index in (0, 1):
+        dim = arg_of(src, 1, "dim", 0)
         pairs = src.args[0]
         if isinstance(pairs, Node) and _last_dim(pairs, dim):
             x = _pairs_source(pairs)
-            return (_strip_casts(x), index, True) if x is not None else None
+            return (strip_casts(x, float_only=True), index, True) if x is not None else None
         return None
-    val = _val(src)
+    val = value_of(src)
     last = _last_slice(node) if isinstance(src, Node) else None
     if last is None or val.shape[-1] % 2:
         return None
     h = val.shape[-1] // 2
-    x = _strip_casts(src)
+    x = strip_casts(src, float_only=True)
     if last.step == 2 and last.stop is None and last.start in (None, 0, 1):
         return x, last.start or 0, True
     if last.step not in (None, 1):
@@ -164,7 +137,7 @@ def _part_of(node) -> Optional[Tuple[Node, int, bool]]:
 
 
 def _mul_operands(node) -> Optional[Tuple[Node, Node]]:
-    if not _is_call(node, MUL, "mul"):
+    if not is_call(node, MUL, "mul"):
         return None
     args = _plain_args(node, 2)
     return args if args is not None and all(isinstance(a, Node) for a in args) else None
@@ -172,21 +145,21 @@ def _mul_operands(node) -> Optional[Tuple[Node, Node]]:
 
 def _split_mul(node, want) -> Optional[Tuple[Node, Node]]:
     """(factor, table) of a product one of whose operands satisfies ``want`` (the factor seen through casts)."""
-    ops = _mul_operands(_strip_casts(node))
+    ops = _mul_operands(strip_casts(node, float_only=True))
     if ops is None:
         return None
     for a, b in (ops, ops[::-1]):
-        if want(_strip_casts(a)) and not want(_strip_casts(b)):
-            return _strip_casts(a), b
+        if want(strip_casts(a, float_only=True)) and not want(strip_casts(b, float_only=True)):
+            return strip_casts(a, float_only=True), b
     return None
 
 
 def _cat_pair(node) -> Optional[Tuple[Node, Node]]:
-    node = _strip_casts(node)
-    if not _is_call(node, CAT, "cat") or node.op == "call_method":
+    node = strip_casts(node, float_only=True)
+    if not is_call(node, CAT, "cat") or node.op == "call_method":
         return None
     parts = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = arg_of(node, 1, "dim", 0)
     if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not _last_dim(node, dim):
         return None
     return tuple(parts)
@@ -195,23 +168,23 @@ def _cat_pair(node) -> Optional[Tuple[Node, Node]]:
 def _stack_pair(node) -> Optional[Tuple[Node, Node]]:
     """(a, b) for stack([a, b], -1) flattened back into the last dim (.flatten(-2), .flatten(start) at the pair dim,
     or a reshape/view to [..., D]): a and b interleaved."""
-    node = _strip_casts(node)
-    val = _val(node)
+    node = strip_casts(node, float_only=True)
+    val = value_of(node)
     if val is None or node.op != "call_method" or node.target not in ("flatten", "reshape", "view") or not node.args:
         return None
     stacked = node.args[0]
-    sval = _val(stacked)
-    if not _is_call(stacked, STACK) or stacked.op == "call_method" or sval is None:
+    sval = value_of(stacked)
+    if not is_call(stacked, STACK) or stacked.op == "call_method" or sval is None:
         return None
     if sval.dim() != val.dim() + 1 or tuple(sval.shape[-1:]) != (2,) or val.shape[-1] != 2 * sval.shape[-2]:
         return None
     if node.target == "flatten":
-        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        start = arg_of(node, 1, "start_dim", 0)
+        end = arg_of(node, 2, "end_dim", -1)
         if start not in (-2, sval.dim() - 2) or end not in (-1, sval.dim() - 1):
             return None
     parts = stacked.args[0]
-    dim = stacked.args[1] if len(stacked.args) > 1 else stacked.kwargs.get("dim", 0)
+    dim = arg_of(stacked, 1, "dim", 0)
     if not isinstance(parts, (list, tuple)) or len(parts) != 2 or dim not in (-1, sval.dim() - 1):
         return None
     return tuple(parts)
@@ -234,8 +207,8 @@ def _match_half_tables(r: Node) -> Optional[Tuple[Node, list, bool]]:
 
 
 def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, list]]:
-    first_op, second_op = (_strip_casts(p) for p in pair)
-    if not _is_call(first_op, SUB, "sub") or not _is_call(second_op, ADD, "add"):
+    first_op, second_op = (strip_casts(p, float_only=True) for p in pair)
+    if not is_call(first_op, SUB, "sub") or not is_call(second_op, ADD, "add"):
         return None
     sub, add = _plain_args(first_op, 2), _plain_args(second_op, 2)
     if sub is None or add is None:
@@ -263,8 +236,8 @@ def _match_rotated_pair(pair, interleaved: bool) -> Optional[Tuple[Node, list]]:
 def _match_rotate_half(r: Node) -> Optional[Tuple[Node, list, bool]]:
     """x·C + cat([−x₂, x₁])·S → (x, [(C, 0), (S, 0), (C, 1), (S, 1)], False); interleaved,
     x·C + stack([−x₂, x₁], -1).flatten(-2)·S → (x, [(C, 'even'), (S, 'even'), (C, 'odd'), (S, 'odd')], True)."""
-    r = _strip_casts(r)
-    if not _is_call(r, ADD, "add"):
+    r = strip_casts(r, float_only=True)
+    if not is_call(r, ADD, "add"):
         return None
     terms = _plain_args(r, 2)
     if terms is None:
@@ -274,10 +247,10 @@ def _match_rotate_half(r: Node) -> Optional[Tuple[Node, list, bool]]:
             rot = _split_mul(rotated, lambda n, i=interleaved: _pair_of(n, i) is not None)
             if rot is None:
                 continue
-            neg_x2, x1 = (_strip_casts(p) for p in _pair_of(rot[0], interleaved))
-            if not _is_call(neg_x2, NEG, "neg") or len(neg_x2.args) != 1:
+            neg_x2, x1 = (strip_casts(p, float_only=True) for p in _pair_of(rot[0], interleaved))
+            if not is_call(neg_x2, NEG, "neg") or len(neg_x2.args) != 1:
                 continue
-            x2 = _strip_casts(neg_x2.args[0])
+            x2 = strip_casts(neg_x2.args[0], float_only=True)
             p1, p2 = _part_of(x1), _part_of(x2)
             if p1 is None or p2 is None or p1 != (p2[0], 0, interleaved) or p2[1:] != (1, interleaved):
                 continue
@@ -293,19 +266,19 @@ def _match_rotate_half(r: Node) -> Optional[Tuple[Node, list, bool]]:
 
 def _only_nonempty_part(node) -> Optional[Node]:
     """x for cat([empty, x]) (or [x, empty]) — a KV cache's first update in prefill; else None."""
-    if not _is_call(node, CAT) or not isinstance(node.args[0], (list, tuple)):
+    if not is_call(node, CAT) or not isinstance(node.args[0], (list, tuple)):
         return None
     full = []
     for part in node.args[0]:
-        val = _val(part)
-        if val is None:
+        val = value_of(part)
+        if not isinstance(val, torch.Tensor):
             return None
         if not statically_known_true(val.numel() == 0):
             full.append(part)
-    out = _val(node)
-    if len(full) != 1 or not isinstance(full[0], Node) or out is None or _val(full[0]).shape != out.shape:
+    out = value_of(node)
+    if len(full) != 1 or not isinstance(full[0], Node) or out is None or value_of(full[0]).shape != out.shape:
         return None
-    return full[0] if _val(full[0]).dtype == out.dtype else None
+    return full[0] if value_of(full[0]).dtype == out.dtype else None
 
 
 def _peel_views(node: Node) -> Tuple[Node, List[Tuple[str, tuple]]]:
@@ -317,7 +290,7 @@ def _peel_views(node: Node) -> Tuple[Node, List[Tuple[str, tuple]]]:
         if inner is not None:
             node = inner
             continue
-        if node.kwargs or not (_is_call(node, {torch.transpose, torch.permute}) or (
+        if node.kwargs or not (is_call(node, {torch.transpose, torch.permute}) or (
                 node.op == "call_method" and node.target in VIEW_METHODS)):
             return node, views[::-1]
         name = node.target if node.op == "call_method" else node.target.__name__
@@ -329,13 +302,14 @@ def match_rope(arg: Node) -> Optional[Rope]:
     if not isinstance(arg, Node):
         return None
     out, views = _peel_views(arg)
-    r = _strip_casts(out)  # a rotary computed in fp32 and cast back: the cast is a rounding the fused prep skips
+    # a rotary computed in fp32 and cast back: the cast is a rounding the fused prep skips
+    r = strip_casts(out, float_only=True)
     for matcher in (_match_half_tables, _match_rotate_half):
         found = matcher(r)
         if found is None:
             continue
         x, tables, interleaved = found
-        xv, ov = _val(x), _val(out)
+        xv, ov = value_of(x), value_of(out)
         if xv is None or ov is None or ov.dtype != xv.dtype or ov.shape != xv.shape:
             return None
         if not _tables_ok(tables, xv.shape[-1]):
@@ -363,21 +337,21 @@ def _absorb_norm(rope: Rope) -> None:
     """An RMS norm over the head dim before the rotary (through views that keep that dim last) moves into ``rope``:
     x becomes the norm's input, the views between the two come first."""
     y, views = _peel_views(rope.x)
-    val = _val(y)
+    val = value_of(y)
     if val is None or not all(_keeps_last_dim(v, val.dim()) for v in views):
         return
     found = match_rms_norm(y)
     if found is None:
         return
     x0, weight, eps = found
-    if _val(x0).dtype != _val(rope.x).dtype:  # the fused prep reads x in the attention inputs' dtype
+    if value_of(x0).dtype != value_of(rope.x).dtype:  # the fused prep reads x in the attention inputs' dtype
         return
     rope.x, rope.pre_views, rope.norm = x0, views, (weight, eps)
 
 
 def _factors(node) -> List[Node]:
     """The operands of a product of tensors (nested *, seen through casts); a non-product is its own factor."""
-    node = _strip_casts(node)
+    node = strip_casts(node, float_only=True)
     ops = _mul_operands(node)
     if ops is None:
         return [node]
@@ -386,31 +360,31 @@ def _factors(node) -> List[Node]:
 
 def _mean_square_of(node) -> Optional[Node]:
     """x for mean(x², -1, keepdim=True) (x² as pow(x, 2), x·x or x.square()), x seen through casts."""
-    node = _strip_casts(node)
-    if not _is_call(node, MEAN, "mean") or not node.args:
+    node = strip_casts(node, float_only=True)
+    if not is_call(node, MEAN, "mean") or not node.args:
         return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dim = arg_of(node, 1, "dim")
+    keepdim = arg_of(node, 2, "keepdim", False)
     dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-    square = _strip_casts(node.args[0])
+    square = strip_casts(node.args[0], float_only=True)
     if not keepdim or not _last_dim(square, dim):
         return None
-    if _is_call(square, POW, "pow") and len(square.args) == 2 and square.args[1] == 2:
-        return _strip_casts(square.args[0])
+    if is_call(square, POW, "pow") and len(square.args) == 2 and square.args[1] == 2:
+        return strip_casts(square.args[0], float_only=True)
     if square.op == "call_method" and square.target == "square" and len(square.args) == 1:
-        return _strip_casts(square.args[0])
+        return strip_casts(square.args[0], float_only=True)
     ops = _mul_operands(square)
-    if ops is not None and _strip_casts(ops[0]) is _strip_casts(ops[1]):
-        return _strip_casts(ops[0])
+    if ops is not None and strip_casts(ops[0], float_only=True) is strip_casts(ops[1], float_only=True):
+        return strip_casts(ops[0], float_only=True)
     return None
 
 
 def _inverse_rms(node) -> Optional[Tuple[Node, float]]:
     """(x, eps) for rsqrt(mean(x², -1, keepdim=True) + eps)."""
-    if not _is_call(node, RSQRT, "rsqrt") or len(node.args) != 1:
+    if not is_call(node, RSQRT, "rsqrt") or len(node.args) != 1:
         return None
-    inner = _strip_casts(node.args[0])
-    args = _plain_args(inner, 2) if _is_call(inner, ADD, "add") else None
+    inner = strip_casts(node.args[0], float_only=True)
+    args = _plain_args(inner, 2) if is_call(inner, ADD, "add") else None
     if args is None:
         return None
     for ms, eps in (args, args[::-1]):
@@ -423,7 +397,7 @@ def _inverse_rms(node) -> Optional[Tuple[Node, float]]:
 
 def _weight_ok(node, d: int) -> bool:
     """A per-channel weight: floating, d elements along the last dim only."""
-    val = _val(node)
+    val = value_of(node)
     return (val is not None and val.is_floating_point() and val.shape[-1] == d and val.numel() == d)
 
 
@@ -431,11 +405,11 @@ def match_rms_norm(y: Node) -> Optional[Tuple[Node, Optional[Node], float]]:
     """(x, weight or None, eps) for y = RMS norm of x over its last dim: F.rms_norm(x, [D], weight, eps) (eps None:
     fp32's epsilon, as torch computes it), or x·rsqrt(mean(x², -1, keepdim=True) + eps) times at most one weight of
     shape [D] (casts seen through)."""
-    y = _strip_casts(y)
-    if not isinstance(y, Node) or _val(y) is None:
+    y = strip_casts(y, float_only=True)
+    if not isinstance(y, Node) or value_of(y) is None:
         return None
-    d = _val(y).shape[-1]
-    if _is_call(y, RMS_NORM):
+    d = value_of(y).shape[-1]
+    if is_call(y, RMS_NORM):
         args = list(y.args) + [None] * (4 - len(y.args))
         x = args[0]
         shape = y.kwargs.get("normalized_shape", args[1])
@@ -465,7 +439,7 @@ def match_rms_norm(y: Node) -> Optional[Tuple[Node, Optional[Node], float]]:
 def _tables_ok(tables, d: int) -> bool:
     for t in tables:
         node = t[0] if isinstance(t, tuple) else t
-        val = _val(node)
+        val = value_of(node)
         if val is None or not val.is_floating_point():
             return False
         if isinstance(t, tuple) and val.shape[-1] not in (d, 1):
@@ -475,8 +449,7 @@ def _tables_ok(tables, d: int) -> bool:
 
 def _with_val(node: Node) -> Node:
     """Give a new node the fake value Dynamo's nodes carry (later graph passes read it)."""
-    fetch = lambda a: _val(a) if isinstance(a, Node) else a  # noqa: E731
-    args = torch.fx.node.map_aggregate(node.args, fetch)
+    args = torch.fx.node.map_aggregate(node.args, value_of)
     if node.op == "call_method":
         value = getattr(args[0], node.target)(*args[1:])
     else:
@@ -494,7 +467,7 @@ def _apply_views(graph, node: Node, views) -> Node:
 def _table_node(graph, table, first: Node, d: int) -> Node:
     if isinstance(table, tuple):  # a full-width table: its half, even or odd entries (itself when its last dim is 1)
         node, part = table
-        if _val(node).shape[-1] == d:
+        if value_of(node).shape[-1] == d:
             h = d // 2
             cut = {0: slice(0, h), 1: slice(h, None), "even": slice(0, None, 2), "odd": slice(1, None, 2)}[part]
             node = _with_val(graph.call_function(operator.getitem, (node, (Ellipsis, cut))))
@@ -516,10 +489,10 @@ def _repeated_pairs(node) -> Optional[Tuple[Node, list]]:
             and _keeps_last(node.args[1]):
         index.insert(0, node.args[1])
         node = node.args[0]
-    if not _is_call(node, {torch.repeat_interleave}, "repeat_interleave") or not node.args:
+    if not is_call(node, {torch.repeat_interleave}, "repeat_interleave") or not node.args:
         return None
-    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    repeats = arg_of(node, 1, "repeats")
+    dim = arg_of(node, 2, "dim")
     t = node.args[0]
     return (t, index) if repeats == 2 and isinstance(t, Node) and _last_dim(node, dim) else None
 
@@ -545,11 +518,11 @@ def _half_table_node(graph, half) -> Node:
 
 def _opaque_interleaved_tables(rope: Rope, d: int) -> bool:
     """Full-width interleaved tables not known to repeat each angle: the fused kernels would read their even and odd
-    entries separately, per head — measured 8-15× slower than Inductor's fusion of that rotary (H200, session 24:
-    docs/results/producers_bench_h200_s24_first.json), so such a site keeps the generic path."""
+    entries separately, per head, which runs 8-15× slower on an H200 than Inductor's own fusion of that rotary, so
+    such a site keeps the generic path."""
     if not rope.interleaved or _pair_tables(rope) is not None:
         return False
-    return any(isinstance(x, tuple) and _val(x[0]).shape[-1] == d for x in rope.tables)
+    return any(isinstance(x, tuple) and value_of(x[0]).shape[-1] == d for x in rope.tables)
 
 
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
@@ -557,46 +530,56 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
         return gm
     changed = False
     for node in list(gm.graph.nodes):
-        if not _is_call(node, {torch.ops.sage.attention.default}):
+        if not is_call(node, {torch.ops.sage.attention.default}):
             continue
         q, k, v = node.args[:3]
         rq, rk = match_rope(q), match_rope(k)
         if rq is None or rk is None or rq.interleaved != rk.interleaved:  # Q and K must share one channel order
             continue
-        with gm.graph.inserting_before(node):
-            inputs = []
-            for rope in (rq, rk):
-                d = _val(rope.x).shape[-1]
-                at_rotary = _apply_views(gm.graph, rope.x, rope.pre_views)  # x in the rotary's layout
-                x = _apply_views(gm.graph, at_rotary, rope.views)
-                # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
-                first = _with_val(gm.graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
-                pairs = _pair_tables(rope)
-                table_nodes = rope.tables
-                if pairs is not None:  # [t_c, t_s, t_c, t_s]: the same nodes, so the kernels read each once
-                    half_c, half_s = _half_table_node(gm.graph, pairs[0]), _half_table_node(gm.graph, pairs[1])
-                    table_nodes = [half_c, half_s, half_c, half_s]
-                made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
-                for t in table_nodes:
-                    key = t if isinstance(t, tuple) else (t, None)
-                    if key not in made:
-                        made[key] = _apply_views(gm.graph, _table_node(gm.graph, t, first, d), rope.views)
-                tables = [made[t if isinstance(t, tuple) else (t, None)] for t in table_nodes]
-                inputs.append((x, tables))
-            (xq, q_tables), (xk, k_tables) = inputs
-            kwargs = dict(node.kwargs, interleaved=rq.interleaved)
-            for name, rope in (("q", rq), ("k", rk)):
-                if rope.norm is not None:
-                    weight, eps = rope.norm
-                    if weight is not None:
-                        weight = _with_val(gm.graph.call_method("reshape", (weight, _val(weight).shape[-1])))
-                    kwargs.update({f"{name}_norm_weight": weight, f"{name}_norm_eps": eps})
-            new = gm.graph.call_function(torch.ops.sage.rope_attention.default,
-                                         (xq, xk, v, q_tables, k_tables), kwargs)
-        replace_node(gm.graph, node, new)
-        torch._dynamo.utils.counters["sage"]["rope_absorbed"] += 1
+        _replace(gm.graph, node, rq, rk, v)
+        counters = torch._dynamo.utils.counters["sage"]
+        counters["rope_absorbed"] += 1
         if rq.interleaved:
-            torch._dynamo.utils.counters["sage"]["rope_interleaved"] += 1
-        torch._dynamo.utils.counters["sage"]["qk_norm_absorbed"] += (rq.norm is not None) + (rk.norm is not None)
+            counters["rope_interleaved"] += 1
+        counters["qk_norm_absorbed"] += (rq.norm is not None) + (rk.norm is not None)
         changed = True
     return finish_rewrite(gm, changed)
+
+
+def _replace(graph: torch.fx.Graph, node: Node, rq: Rope, rk: Rope, v: Node) -> None:
+    """sage.attention → sage.rope_attention on the rotaries' inputs and tables. The op's own keyword arguments are
+    passed on as they are: this pass only adds what the rotary and the norms need."""
+    with graph.inserting_before(node):
+        xq, q_tables = _rotary_inputs(graph, rq)
+        xk, k_tables = _rotary_inputs(graph, rk)
+        kwargs = dict(node.kwargs, interleaved=rq.interleaved)
+        for name, rope in (("q", rq), ("k", rk)):
+            if rope.norm is not None:
+                weight, eps = rope.norm
+                if weight is not None:
+                    weight = _with_val(graph.call_method("reshape", (weight, value_of(weight).shape[-1])))
+                kwargs.update({f"{name}_norm_weight": weight, f"{name}_norm_eps": eps})
+        new = graph.call_function(torch.ops.sage.rope_attention.default,
+                                  (xq, xk, v, q_tables, k_tables), kwargs)
+    replace_node(graph, node, new)
+
+
+def _rotary_inputs(graph: torch.fx.Graph, rope: Rope) -> Tuple[Node, List[Node]]:
+    """(x, [c₁, s₁, c₂, s₂]) as the fused prep reads them: x through the views to the attention layout, each table
+    expanded to x₁'s shape and viewed the same way."""
+    d = value_of(rope.x).shape[-1]
+    at_rotary = _apply_views(graph, rope.x, rope.pre_views)  # x in the rotary's layout
+    x = _apply_views(graph, at_rotary, rope.views)
+    # x₁'s shape, taken from the new x (not from the rotary's nodes, which then die with it)
+    first = _with_val(graph.call_function(operator.getitem, (at_rotary, (Ellipsis, slice(0, d // 2)))))
+    pairs = _pair_tables(rope)
+    table_nodes = rope.tables
+    if pairs is not None:  # [t_c, t_s, t_c, t_s]: the same nodes, so the kernels read each once
+        half_c, half_s = _half_table_node(graph, pairs[0]), _half_table_node(graph, pairs[1])
+        table_nodes = [half_c, half_s, half_c, half_s]
+    made = {}  # one node per distinct table: the kernels read c₁ = c₂ (s₁ = s₂) once
+    for t in table_nodes:
+        key = t if isinstance(t, tuple) else (t, None)
+        if key not in made:
+            made[key] = _apply_views(graph, _table_node(graph, t, first, d), rope.views)
+    return x, [made[t if isinstance(t, tuple) else (t, None)] for t in table_nodes]

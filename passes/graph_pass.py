@@ -29,19 +29,3 @@ class SagePass(CustomGraphPass):
     def uuid(self) -> bytes:
         return get_hash_for_files(source_files(), extra=f"{self.fn.__name__}:{self.config!r}")
 
-
-def replace_node(graph, old, new) -> None:
-    """``new`` takes ``old``'s place: its metadata (fake value, source stack), its uses; ``old`` is erased."""
-    new.meta.update(old.meta)
-    old.replace_all_uses_with(new)
-    graph.erase_node(old)
-
-
-def finish_rewrite(gm, changed: bool, dead_code: bool = True):
-    """After a pass rewrote ``gm``: drop the nodes nothing uses any more, check the graph, regenerate code."""
-    if changed:
-        if dead_code:
-            gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return gm

@@ -18,17 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
-from sage_compile.passes.graph_pass import finish_rewrite
 from sage_compile.sites import SiteReport, judge_site, site_name
 from sage_compile.support import AttentionCall
 
-Node = torch.fx.Node
+from .helpers import Node, arg_of, finish_rewrite, is_call, is_cast, replace_node, single_user, strip_casts, value_of
+
 SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
 MATMUL = {operator.matmul, torch.matmul, torch.Tensor.matmul}
 MUL = {operator.mul, torch.mul, torch.Tensor.mul}
 DIV = {operator.truediv, torch.div, torch.Tensor.div}
 ADD = {operator.add, torch.add, torch.Tensor.add}
-CAST_METHODS = {"float", "half", "bfloat16", "to", "type_as", "type"}
 DROPOUT = {F.dropout, torch.dropout}
 
 
@@ -50,54 +49,26 @@ class Match:
 # -------------------------------------------------------------------------------------------------------
 # Small matchers over torch-IR nodes
 # -------------------------------------------------------------------------------------------------------
-def _is(node, targets, method=None) -> bool:
-    if not isinstance(node, Node):
-        return False
-    if node.op == "call_function" and node.target in targets:
-        return True
-    return method is not None and node.op == "call_method" and node.target == method
-
-
-def _arg(node: Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def _val(node):
-    return node.meta.get("example_value") if isinstance(node, Node) else node
-
-
 def _rank(node) -> int:
-    value = _val(node)
+    value = value_of(node)
     return value.dim() if isinstance(value, torch.Tensor) else -1
-
-
-def _single_user(node: Node) -> Optional[Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def strip_casts(node: Node) -> Node:
-    """x.float(), x.to(dtype), x.type_as(y): value-preserving for attention probabilities/scores."""
-    while node.op == "call_method" and node.target in CAST_METHODS:
-        node = node.args[0]
-    return node
 
 
 def _is_scalar(arg) -> bool:
     """A Python number, or a graph value that is one (dynamic=True turns float constants into SymFloats)."""
-    return isinstance(arg, numbers.Number) or (isinstance(arg, Node) and isinstance(_val(arg), (torch.SymFloat, float)))
+    return isinstance(arg, numbers.Number) or (isinstance(arg, Node)
+                                               and isinstance(value_of(arg), (torch.SymFloat, float)))
 
 
 def scalar_factor(node: Node):
     """x * c, c * x, x / c (c a scalar) → (x, c, ±1); anything else → (node, None, 0)."""
-    if _is(node, MUL, "mul"):
+    if is_call(node, MUL, "mul"):
         a, b = node.args[0], node.args[1]
         if _is_scalar(b):
             return a, b, 1
         if _is_scalar(a):
             return b, a, 1
-    if _is(node, DIV, "div") and _is_scalar(node.args[1]) and not node.kwargs.get("rounding_mode"):
+    if is_call(node, DIV, "div") and _is_scalar(node.args[1]) and not node.kwargs.get("rounding_mode"):
         return node.args[0], node.args[1], -1
     return node, None, 0
 
@@ -120,10 +91,10 @@ def transposed_last_two(node: Node) -> Optional[Node]:
     rank = _rank(node)
     if rank not in (3, 4):
         return None
-    if _is(node, {torch.transpose}, "transpose"):
-        dims = {_arg(node, 1, "dim0") % rank, _arg(node, 2, "dim1") % rank}
+    if is_call(node, {torch.transpose}, "transpose"):
+        dims = {arg_of(node, 1, "dim0") % rank, arg_of(node, 2, "dim1") % rank}
         return node.args[0] if dims == {rank - 2, rank - 1} else None
-    if _is(node, {torch.permute}, "permute"):
+    if is_call(node, {torch.permute}, "permute"):
         dims = node.args[1:] if len(node.args) > 2 else node.args[1]
         swapped = tuple(range(rank - 2)) + (rank - 1, rank - 2)
         return node.args[0] if tuple(d % rank for d in dims) == swapped else None
@@ -137,32 +108,32 @@ def unrepeat_kv(node: Node) -> Tuple[Node, bool]:
     x.repeat_interleave(n_rep, dim=1) → (x, True): grouped heads, no copy."""
     if _rank(node) != 4:
         return node, False
-    if _is(node, {torch.repeat_interleave}, "repeat_interleave") and _arg(node, 2, "dim") in (1, -3):
+    if is_call(node, {torch.repeat_interleave}, "repeat_interleave") and arg_of(node, 2, "dim") in (1, -3):
         return node.args[0], True
-    if _is(node, {torch.reshape}, "reshape") or _is(node, set(), "view"):
+    if is_call(node, {torch.reshape}, "reshape") or is_call(node, set(), "view"):
         expanded = node.args[0]
-        if _is(expanded, set(), "expand") and _rank(expanded) == 5:
+        if is_call(expanded, set(), "expand") and _rank(expanded) == 5:
             unsqueezed = expanded.args[0]
             if unsqueezed.op == "call_function" and unsqueezed.target is operator.getitem:
                 index = unsqueezed.args[1]
                 if isinstance(index, tuple) and len(index) >= 3 and index[2] is None:
                     return unsqueezed.args[0], True
-            if _is(unsqueezed, {torch.unsqueeze}, "unsqueeze") and _arg(unsqueezed, 1, "dim") == 2:
+            if is_call(unsqueezed, {torch.unsqueeze}, "unsqueeze") and arg_of(unsqueezed, 1, "dim") == 2:
                 return unsqueezed.args[0], True
     return node, False
 
 
 def peel_mask(node: Node, match: Match) -> Node:
     """scores + mask | scores.masked_fill(mask, −inf or finfo.min) | where(mask, scores, −inf) → scores."""
-    if _is(node, ADD, "add") and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args):
+    if is_call(node, ADD, "add") and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args):
         a, b = node.args
         scores, mask = (a, b) if _is_scores_like(a) else (b, a)
         match.mask, match.mask_kind = mask, "additive"
         return scores
-    if _is(node, {torch.masked_fill}, "masked_fill") and _is_minus_infinity(_arg(node, 2, "value")):
-        match.mask, match.mask_kind = _arg(node, 1, "mask"), "drop_where_true"
+    if is_call(node, {torch.masked_fill}, "masked_fill") and _is_minus_infinity(arg_of(node, 2, "value")):
+        match.mask, match.mask_kind = arg_of(node, 1, "mask"), "drop_where_true"
         return node.args[0]
-    if _is(node, {torch.where}) and len(node.args) == 3 and _is_minus_infinity(node.args[2]):
+    if is_call(node, {torch.where}) and len(node.args) == 3 and _is_minus_infinity(node.args[2]):
         match.mask, match.mask_kind = node.args[0], "keep_where_true"
         return node.args[1]
     return node
@@ -179,13 +150,13 @@ def structural_causal(match: "Match") -> Optional[int]:
         return None
     mask = strip_casts(mask)
     wanted = "triu" if match.mask_kind == "drop_where_true" else "tril"
-    if not _is(mask, {getattr(torch, wanted)}, wanted):
+    if not is_call(mask, {getattr(torch, wanted)}, wanted):
         return None
-    diagonal = _arg(mask, 1, "diagonal", 0)
+    diagonal = arg_of(mask, 1, "diagonal", 0)
     if not isinstance(diagonal, int) or not _is_ones(strip_casts(mask.args[0])):
         return None
     offset = diagonal - 1 if wanted == "triu" else diagonal
-    value, q, k = _val(mask), _val(match.q), _val(match.k)
+    value, q, k = value_of(mask), value_of(match.q), value_of(match.k)
     if value.dim() != 2 or value.shape[0] != q.shape[-2] or value.shape[1] != k.shape[-2]:
         return None
     if offset == 0:
@@ -196,14 +167,14 @@ def structural_causal(match: "Match") -> Optional[int]:
 
 
 def _is_ones(node) -> bool:
-    if _is(node, {torch.ones, torch.ones_like}, "new_ones"):
+    if is_call(node, {torch.ones, torch.ones_like}, "new_ones"):
         return True
-    return _is(node, {torch.full}) and _arg(node, 1, "fill_value") in (1, True)
+    return is_call(node, {torch.full}) and arg_of(node, 1, "fill_value") in (1, True)
 
 
 def _is_scores_like(node) -> bool:
-    return isinstance(node, Node) and (_is(node, MATMUL, "matmul") or _is(node, MUL, "mul")
-                                       or _is(node, DIV, "div") or _is(node, {torch.einsum}))
+    return isinstance(node, Node) and (is_call(node, MATMUL, "matmul") or is_call(node, MUL, "mul")
+                                       or is_call(node, DIV, "div") or is_call(node, {torch.einsum}))
 
 
 def _is_minus_infinity(value) -> bool:
@@ -213,10 +184,10 @@ def _is_minus_infinity(value) -> bool:
 def scores_product(node: Node, match: "Match") -> Optional[Tuple[Node, Node]]:
     """matmul/bmm(q, kᵀ), baddbmm(bias, q, kᵀ, beta, alpha) (diffusers' legacy processors) or
     einsum('...id,...jd->...ij', q, k) → (q, k) with the scales still attached."""
-    if _is(node, MATMUL | {torch.bmm}, "matmul"):
+    if is_call(node, MATMUL | {torch.bmm}, "matmul"):
         k = transposed_last_two(node.args[1])
         return (node.args[0], k) if k is not None else None
-    if _is(node, {torch.baddbmm}) and len(node.args) == 3:
+    if is_call(node, {torch.baddbmm}) and len(node.args) == 3:
         k = transposed_last_two(node.args[2])
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         if k is None or beta not in (0, 1) or not _is_scalar(alpha) or (beta == 1 and match.mask is not None):
@@ -228,7 +199,7 @@ def scores_product(node: Node, match: "Match") -> Optional[Tuple[Node, Node]]:
         else:
             match.scale *= float(alpha)
         return node.args[1], k
-    if _is(node, {torch.einsum}) and len(node.args) == 3:
+    if is_call(node, {torch.einsum}) and len(node.args) == 3:
         lhs, rhs = node.args[0].replace(" ", "").split("->")
         a, b = lhs.split(",")
         if len(a) == len(b) == len(rhs) == 4 and a[:2] == b[:2] == rhs[:2] and a[3] == b[3] \
@@ -239,12 +210,12 @@ def scores_product(node: Node, match: "Match") -> Optional[Tuple[Node, Node]]:
 
 def value_product(probs: Node) -> Optional[Tuple[Node, Node]]:
     """The one user of the probabilities: probs @ v or einsum('...ij,...jd->...id', probs, v)."""
-    user = _single_user(probs)
+    user = single_user(probs)
     if user is None:
         return None
-    if _is(user, MATMUL | {torch.bmm}, "matmul") and user.args[0] is probs:
+    if is_call(user, MATMUL | {torch.bmm}, "matmul") and user.args[0] is probs:
         return user.args[1], user
-    if _is(user, {torch.einsum}) and len(user.args) == 3 and user.args[1] is probs:
+    if is_call(user, {torch.einsum}) and len(user.args) == 3 and user.args[1] is probs:
         lhs, rhs = user.args[0].replace(" ", "").split("->")
         a, b = lhs.split(",")
         if len(a) == len(b) == len(rhs) == 4 and a[3] == b[2] and rhs == a[:3] + b[3]:
@@ -255,13 +226,14 @@ def value_product(probs: Node) -> Optional[Tuple[Node, Node]]:
 def after_softmax(node: Node) -> Node:
     """softmax → [cast back] → [dropout with p=0 or training=False] → the node V multiplies."""
     while True:
-        user = _single_user(node)
+        user = single_user(node)
         if user is None:
             return node
-        if user.op == "call_method" and user.target in CAST_METHODS:
+        if is_cast(user):
             node = user
             continue
-        if _is(user, DROPOUT) and (_arg(user, 1, "p", 0.5) == 0 or _arg(user, 2, "training", True) is False):
+        if is_call(user, DROPOUT) and (arg_of(user, 1, "p", 0.5) == 0
+                                       or arg_of(user, 2, "training", True) is False):
             node = user
             continue
         return node
@@ -271,7 +243,7 @@ def after_softmax(node: Node) -> Node:
 # The pass
 # -------------------------------------------------------------------------------------------------------
 def match_at(softmax: Node) -> Optional[Match]:
-    rank, dim = _rank(softmax), _arg(softmax, 1, "dim")
+    rank, dim = _rank(softmax), arg_of(softmax, 1, "dim")
     if rank not in (3, 4) or dim not in (-1, rank - 1):  # rank 3: heads folded into the batch
         return None
     probs = after_softmax(softmax)
@@ -306,15 +278,15 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
     seen: dict = {}
     changed = False
     for node in list(gm.graph.nodes):
-        if not _is(node, SOFTMAX, "softmax"):
+        if not is_call(node, SOFTMAX, "softmax"):
             continue
         match = match_at(node)
         if match is None:
             continue
         scale = match.scale
         for factor, power in match.symbolic_scales:
-            scale = scale * _val(factor) ** power
-        q, k, v, mask = (_as_4d(_val(t), match) if t is not None else None
+            scale = scale * value_of(factor) ** power
+        q, k, v, mask = (_as_4d(value_of(t), match) if t is not None else None
                          for t in (match.q, match.k, match.v, match.mask))
         call = AttentionCall(q, k, v, attn_mask=mask, is_causal=bool(match.causal), scale=scale,
                              enable_gqa=match.gqa)
@@ -349,5 +321,4 @@ def _replace(graph: torch.fx.Graph, match: Match, config: SageConfig) -> None:
         )
         if match.rank == 3:
             new = graph.call_method("squeeze", (new, 0))
-    new.meta.update(match.out.meta)
-    match.out.replace_all_uses_with(new)
+    replace_node(graph, match.out, new)

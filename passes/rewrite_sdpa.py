@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
-from sage_compile.passes.graph_pass import finish_rewrite, replace_node
 from sage_compile.sites import SiteReport, judge_site, site_name
 from sage_compile.support import AttentionCall, causal_mode
+
+from .helpers import finish_rewrite, is_call, replace_node, value_of
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
@@ -26,31 +27,20 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 _SIGNATURE = inspect.signature(_sdpa_signature)
 
 
-def _value(arg):
-    """Fake tensor (or constant) behind a graph argument."""
-    if isinstance(arg, torch.fx.Node):
-        return arg.meta.get("example_value", arg.meta.get("val"))
-    return arg
-
-
 def normalize_sdpa_args(node: torch.fx.Node) -> dict:
     bound = _SIGNATURE.bind(*node.args, **node.kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
-def is_sdpa(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in SDPA_TARGETS
-
-
 def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     seen: dict = {}
     changed = False
     for node in list(gm.graph.nodes):
-        if not is_sdpa(node):
+        if not is_call(node, SDPA_TARGETS):
             continue
         args = normalize_sdpa_args(node)
-        call = AttentionCall(*(_value(args[name]) for name in _SIGNATURE.parameters))
+        call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
         if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled()):
             continue
         _replace(gm.graph, node, args, config)

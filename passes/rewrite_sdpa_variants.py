@@ -15,6 +15,7 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, judge_site
 from sage_compile.support import AttentionCall, causal_mode
 
+from .helpers import is_call, value_of
 from .rewrite_sdpa import SDPA_TARGETS as SDPA_CALLS
 
 aten = torch.ops.aten
@@ -30,7 +31,7 @@ SDPA_VARIANTS = {
 def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: SiteReport) -> None:
     index = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA_VARIANTS or _judged_in_stage1(node):
+        if not is_call(node, SDPA_VARIANTS) or _judged_in_stage1(node):
             continue
         name = f"{node.target.__name__.split('.')[0]}#{index}"
         index += 1
@@ -47,11 +48,10 @@ def _judged_in_stage1(node: torch.fx.Node) -> bool:
 
 def _analyse(node: torch.fx.Node):
     kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
     mask_name = SDPA_VARIANTS[node.target]
     call = AttentionCall(
-        val(kwargs["query"]), val(kwargs["key"]), val(kwargs["value"]),
-        attn_mask=val(kwargs.get(mask_name)) if mask_name else None,
+        value_of(kwargs["query"]), value_of(kwargs["key"]), value_of(kwargs["value"]),
+        attn_mask=value_of(kwargs.get(mask_name)) if mask_name else None,
         dropout_p=kwargs.get("dropout_p", 0.0), is_causal=kwargs.get("is_causal", False),
         scale=kwargs.get("scale"), enable_gqa=False,
     )
@@ -64,6 +64,8 @@ def _analyse(node: torch.fx.Node):
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, config: SageConfig) -> None:
+    """Trace sage.attention's decomposition for these inputs and copy it in before ``node``: this pass runs after
+    AOTAutograd, so the op must arrive already decomposed (the prep in aten + sage.quantized_attention)."""
     from torch._inductor.pattern_matcher import fwd_only
 
     kwargs = dict(scale=call.scale, causal=causal_mode(call.is_causal), **config.op_kwargs())
@@ -78,22 +80,12 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, co
         sub = fwd_only(unmasked, [call.q, call.k, call.v])
     else:
         sub = fwd_only(masked, [call.q, call.k, call.v, call.attn_mask])
-    env = {}
+    if any(n.op == "get_attr" for n in sub.graph.nodes):  # a constant would need copying into the module too
+        raise RuntimeError("sage decomposition captured a constant; cannot inline it")
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for placeholder, arg in zip(placeholders, call.nodes):
-        env[placeholder] = arg
-    result = None
     with graph.inserting_before(node):
-        for sub_node in sub.graph.nodes:
-            if sub_node.op == "placeholder":
-                continue
-            if sub_node.op == "output":
-                result = env[sub_node.args[0][0] if isinstance(sub_node.args[0], (tuple, list)) else sub_node.args[0]]
-                continue
-            if sub_node.op == "get_attr":
-                raise RuntimeError("sage decomposition captured a constant; cannot inline it")
-            env[sub_node] = graph.node_copy(sub_node, lambda n: env[n])
-    for user in list(node.users):
+        result = graph.graph_copy(sub.graph, dict(zip(placeholders, call.nodes)))
+    for user in list(node.users):  # getitem(node, 0), the only use _analyse lets through
         user.replace_all_uses_with(result)
         graph.erase_node(user)
     graph.erase_node(node)

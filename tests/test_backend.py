@@ -251,26 +251,41 @@ def test_key_padding_mask_reaches_the_op_unexpanded(mask_dtype, expanded):
     assert cosine(out, ref) > 0.999
 
 
-def test_hand_written_attention_is_found_after_inductor_fuses_it(monkeypatch):
-    """Stage 2: Inductor's fuse_attention turns softmax(QKᵀ)V into an SDPA variant; we replace that.
-    (Stage 1b would match this form first: switched off here to test stage 2 alone.)"""
+class _ScaledManual(nn.Module):
+    def forward(self, q, k, v):
+        return ((q @ k.transpose(-1, -2)) * 0.125).softmax(-1) @ v
+
+
+class _MaskedManual(nn.Module):  # the form of Inductor's fuse_attention pattern 5: scores / inv_scale + mask
+    def forward(self, q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-2, -1) / 8.0 + mask, dim=-1) @ v
+
+
+@pytest.mark.parametrize("module, masked", [(_ScaledManual, False), (_MaskedManual, True)], ids=["scaled", "masked"])
+def test_hand_written_attention_is_found_after_inductor_fuses_it(monkeypatch, module, masked):
+    """Stage 2: Inductor's fuse_attention turns softmax(QKᵀ)V into an SDPA variant; we replace that, and the
+    generated code runs the quantized op in its place. (Stage 1b would match these forms first: switched off here
+    to test stage 2 alone.)"""
     import sage_compile.passes as passes
+    from sage_compile.backend import collect_reports
+    from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setattr(passes, "STAGE1", (passes.rewrite_sdpa,))
-
-    class Manual(nn.Module):
-        def forward(self, q, k, v):
-            return ((q @ k.transpose(-1, -2)) * 0.125).softmax(-1) @ v
-
     q, k, v = (torch.randn(2, 4, 64, 64, dtype=torch.bfloat16) for _ in range(3))
-    report = []
-    from sage_compile.backend import collect_reports
-
+    mask = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16)
+    args = (q, k, v, mask) if masked else (q, k, v)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(module(), backend=sage_backend, options={"force_disable_caches": True})
     with torch.no_grad(), collect_reports() as report:
-        out = torch.compile(Manual(), backend=sage_backend, options={"force_disable_caches": True})(q, k, v)
+        out, codes = run_and_get_code(compiled, *args)
     sites = [s for r in report for s in r.sites]
     assert [s.source for s in sites] == ["inductor-sdpa"] and sites[0].replaced
-    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
+    assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 1
+    code = "\n".join(codes)
+    assert code.count("torch.ops.sage.quantized_attention.default(") == 1
+    assert "scaled_dot_product" not in code
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float() if masked else None,
+                                           scale=0.125)
     assert 0.995 < cosine(out, exact) < 0.99999  # quantized (bf16 SDPA would be ~0.999999)
 
 
