@@ -1,82 +1,112 @@
-"""SageConfig: every user-facing choice in one dataclass (numerics, fallback policy, compile plumbing)."""
+"""SageConfig: every user-facing choice in one object — the numerics (a ``Scheme``), the fallback policy and
+the compile plumbing."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .spec import Quantization
+from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_field_types, decode_fields,
+                     encode_fields, unknown_name_message)
 
 FALLBACKS = ("sdpa", "error")
+BACKWARDS = ("sdpa",)
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
-_PLUMBING = ("inner_backend", "fuse_rope")  # fields that are not sage.attention arguments
+_PLUMBING = ("scheme", "inner_backend", "fuse_rope")  # not read by the sage.attention decomposition
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SageConfig:
-    """How attention sites are quantized and what happens to the ones we cannot run.
+    """How attention sites are quantized and what happens to the ones sage cannot run.
 
-    Numerics (see sage_compile/spec.py): ``qk`` int8|int4, ``q_granularity``/``k_granularity``
-    per_token|per_block (blocks of ``q_block``/``k_block`` tokens), ``smooth_k`` (on: costs nothing
-    and real models have large per-channel K bias), ``smooth_q``/``smooth_v``, ``pv`` fp8|fp16,
-    ``k_mean_sample`` (μK from that many keys where there are more; 0: all keys — any μ is exact).
-    Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (reported by explain and
-    counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key lengths (None: the
-    measured per-device thresholds of sage_compile/thresholds.py; 0: always sage); ``allow_fp32``
-    quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy).
+    Numerics: ``scheme`` (a ``Scheme``); its fields may also be given directly, e.g.
+    ``SageConfig(k_granularity="per_thread")`` is ``SageConfig(scheme=Scheme(k_granularity="per_thread"))``.
+    Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (warned once per reason,
+    reported by explain and counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key
+    lengths (None: the measured per-device thresholds of sage_compile/thresholds.py; 0: always sage);
+    ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy); ``backward``:
+    how gradients are computed when attention inputs require grad — "sdpa": the exact attention gradient at
+    the same inputs (SDPA's backward; the forward stays 8-bit).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
-    ``fuse_rope`` (on) lets a half-split rotary that makes q and k run inside the fused prep
+    ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep
     (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep.
     """
 
-    qk: str = "int8"
-    q_granularity: str = "per_token"
-    k_granularity: str = "per_token"
-    q_block: int = 128
-    k_block: int = 64
-    smooth_k: bool = True
-    smooth_q: bool = False
-    smooth_v: bool = False
-    pv: str = "fp8"
-    k_mean_sample: int = 512
-    fallback: str = "sdpa"
-    min_seq_len: Optional[int] = None
-    allow_fp32: bool = False
-    inner_backend: str = "inductor"
-    fuse_rope: bool = True
+    scheme: Scheme
+    fallback: str
+    min_seq_len: Optional[int]
+    allow_fp32: bool
+    backward: str
+    inner_backend: str
+    fuse_rope: bool
 
-    def __post_init__(self):
-        self.quantization()  # validates the numerics fields
-        op_fields = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _PLUMBING}
-        object.__setattr__(self, "_op_kwargs", op_fields)
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"SageConfig.fallback={self.fallback!r}: expected one of {FALLBACKS}")
-        if self.inner_backend not in INNER_BACKENDS:
-            raise ValueError(f"SageConfig.inner_backend={self.inner_backend!r}: expected one of {INNER_BACKENDS}")
-        if self.min_seq_len is not None and (not isinstance(self.min_seq_len, int) or self.min_seq_len < 0):
-            raise ValueError(f"SageConfig.min_seq_len={self.min_seq_len!r}: expected None or an int ≥ 0")
-
-    def quantization(self) -> Quantization:
-        return Quantization(**{f.name: getattr(self, f.name) for f in fields(Quantization)})
-
-    def op_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments of sage.attention that carry this config (all but compile plumbing).
-        Precomputed in __post_init__ so that Dynamo only reads a dict when it traces sage_attention."""
-        return self._op_kwargs
+    def __init__(self, scheme: Optional[Scheme] = None, *, fallback: str = "sdpa", min_seq_len: Optional[int] = None,
+                 allow_fp32: bool = False, backward: str = "sdpa", inner_backend: str = "inductor",
+                 fuse_rope: bool = True, **scheme_fields):
+        if scheme is not None and not isinstance(scheme, Scheme):
+            raise TypeError(f"SageConfig.scheme={scheme!r}: expected a sage_compile.Scheme")
+        unknown = [name for name in scheme_fields if name not in SCHEME_FIELDS]
+        if unknown:
+            raise TypeError(unknown_name_message("SageConfig", unknown[0], OPTION_NAMES))
+        values = dict(scheme=(scheme or Scheme()).replace(**scheme_fields), fallback=fallback,
+                      min_seq_len=min_seq_len, allow_fp32=allow_fp32, backward=backward,
+                      inner_backend=inner_backend, fuse_rope=fuse_rope)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        check_field_types(self, "SageConfig")
+        check_choice("SageConfig.fallback", fallback, FALLBACKS)
+        check_choice("SageConfig.backward", backward, BACKWARDS)
+        check_choice("SageConfig.inner_backend", inner_backend, INNER_BACKENDS)
+        if min_seq_len is not None and min_seq_len < 0:
+            raise ValueError(f"SageConfig.min_seq_len={min_seq_len!r}: expected None or an int ≥ 0")
+        # Dynamo reads this dict when it traces sage_attention: computed once
+        object.__setattr__(self, "_op_kwargs", {"config": self.op_key()})
 
     def replace(self, **changes) -> "SageConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``: SageConfig fields and/or Scheme fields."""
+        own = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in list(changes):
+            if name in own:
+                own[name] = changes.pop(name)
+        return SageConfig(**own, **changes)
+
+    # --- the op argument ---------------------------------------------------------------------------------------
+    def op_key(self) -> str:
+        """What the sage.attention decomposition needs (the scheme and the policy), as one string argument:
+        the non-default fields, ``name=value`` joined by ``;``."""
+        return ";".join(filter(None, (encode_fields(self, _OP_DEFAULTS), self.scheme.encode())))
+
+    def op_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of sage.attention / sage.rope_attention that carry this config."""
+        return self._op_kwargs
+
+    @staticmethod
+    def from_op_key(text: str) -> "SageConfig":
+        return _from_op_key(text)
 
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]]) -> Tuple["SageConfig", Dict[str, Any]]:
         """Split ``torch.compile(options=...)`` into our config and the rest (passed on to Inductor).
 
-        ``options`` may hold ``sage_config`` (a SageConfig) and/or SageConfig field names.
+        ``options`` may hold ``sage_config`` (a SageConfig) and/or SageConfig / Scheme field names.
         """
         options = dict(options or {})
         base = options.pop("sage_config", None) or cls()
         if not isinstance(base, SageConfig):
             raise TypeError(f"options['sage_config'] must be a SageConfig, got {type(base).__name__}")
-        ours = {f.name for f in fields(cls)}
-        changes = {key: options.pop(key) for key in list(options) if key in ours}
+        changes = {key: options.pop(key) for key in list(options) if key in OPTION_NAMES}
         return base.replace(**changes), options
+
+
+OPTION_NAMES = tuple(f.name for f in fields(SageConfig) if f.name != "scheme") + SCHEME_FIELDS
+_OP_DEFAULTS = {"fallback": "sdpa", "min_seq_len": None, "allow_fp32": False, "backward": "sdpa"}
+assert set(_OP_DEFAULTS) == {f.name for f in fields(SageConfig)} - set(_PLUMBING)
+
+
+@functools.lru_cache(maxsize=256)
+def _from_op_key(text: str) -> SageConfig:
+    """The decomposition runs on every eager call: each distinct key is parsed (and validated) once."""
+    types = {f.name: f.type for f in fields(SageConfig) if f.name in _OP_DEFAULTS}
+    types.update({f.name: f.type for f in fields(Scheme)})
+    return SageConfig(**decode_fields(text, types, "SageConfig"))

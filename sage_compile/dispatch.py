@@ -5,9 +5,9 @@ import functools
 import importlib
 import os
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .kernels import KERNEL_MODULES, KernelArgs
+from .kernels import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
 
 _warned: set = set()
 
@@ -40,21 +40,31 @@ def available_kernels() -> List[Tuple[str, object]]:
 
 
 def choose(args: KernelArgs):
-    """First kernel module that supports ``args``; the reasons of the others for explain/doctor."""
+    """First kernel family whose ``supports`` (the site) and ``accepts`` (the tensors) pass; the reasons of
+    the others, for explain and doctor."""
     reasons: Dict[str, str] = {}
-    for name, module in available_kernels():
-        short = name.rsplit(".", 1)[-1]
-        if module is None:
-            reasons[short] = "not importable (extension not built or its compiler missing)"
-            continue
-        why_not = module.supports(args)
+    site = args.site
+    for short, module in _families(reasons):
+        why_not = module.supports(site) or module.accepts(args)
         if why_not is None:
             return module, reasons
         reasons[short] = why_not
     raise RuntimeError(f"sage.quantized_attention: no kernel supports these inputs: {reasons}")
 
 
+def _families(reasons: Dict[str, str], order: Optional[Tuple[str, ...]] = None):
+    """(short name, module) of each importable family, in order; the others' reasons into ``reasons``."""
+    for name in order or kernel_order():
+        module = _load(name)
+        short = name.rsplit(".", 1)[-1]
+        if module is None:
+            reasons[short] = "not importable (extension not built or its compiler missing)"
+            continue
+        yield short, module
+
+
 def run(args: KernelArgs, out, lse) -> str:
+    check_inputs(args, out, lse)
     module, reasons = choose(args)
     if module.NAME == "reference" and ("reference", args.device.type) not in _warned:
         _warned.add(("reference", args.device.type))
@@ -63,33 +73,22 @@ def run(args: KernelArgs, out, lse) -> str:
             f"(faster kernels unavailable: {reasons})",
             stacklevel=3,
         )
-    getattr(module, "run_supported", module.run)(args, out, lse)
+    module.launch(args, out, lse)
     return module.NAME
 
 
-def kernel_for_site(device, padded_head_dim: int, pv: str, dtype):
-    """Kernel a site on ``device`` would get, judged at compile time from zero-size stand-ins."""
-    return _kernel_for_site(kernel_order(), device, padded_head_dim, pv, dtype)
+def kernel_for_site(site: KernelSite):
+    """(name of the family a site would get, the reasons of those before it) — from the families'
+    ``supports`` alone, at compile time. (None, reasons) when no family supports the site."""
+    return _kernel_for_site(site, kernel_order())
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_for_site(order, device, padded_head_dim: int, pv: str, dtype):
-    import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from . import spec
-
-    with unset_fake_temporarily():
-        q = torch.empty((1, 1, 0, padded_head_dim), dtype=torch.int8, device=device)
-        scale = torch.empty((1, 1, 0), dtype=torch.float32, device=device)
-        # Vᵀ rows are padded to 16 keys by the prep: give the stand-in that row stride (an empty tensor's
-        # natural stride 1 would read as a misaligned row to kernels that check it).
-        v = torch.empty_strided((1, 1, padded_head_dim, 0), (padded_head_dim * 16, padded_head_dim * 16, 16, 1),
-                                dtype=spec.PV_DTYPES[pv], device=device)
-        v_scale = torch.empty((1, 1, padded_head_dim), dtype=torch.float32, device=device)
-        args = KernelArgs(q, scale, q, scale, v, v_scale, None, None, None, 128, 0, padded_head_dim, dtype)
-        try:
-            module, reasons = choose(args)
-        except RuntimeError as err:
-            return None, str(err)
-    return module.NAME, reasons
+def _kernel_for_site(site: KernelSite, order: Tuple[str, ...]):
+    reasons: Dict[str, str] = {}
+    for short, module in _families(reasons, order):
+        why_not = module.supports(site)
+        if why_not is None:
+            return module.NAME, reasons
+        reasons[short] = why_not
+    return None, reasons

@@ -1,8 +1,23 @@
 """The numerics spec, in plain PyTorch: the one definition every implementation is tested against.
 
+The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (default D^-0.5), a ``Scheme``:
+1. Smooth K: μK = mean over tokens of k (fp32, per channel); k̃ = k − μK. Softmax is unchanged (it adds q·μK
+   to every score of a row).
+2. Smooth Q (optional): μQ = mean of q over each group of q_block tokens; q̃ = q − μQ; ΔS_j = μQ·k̃_j is added
+   to the scores in the kernel.
+3. Quantize q̃, k̃ symmetrically: δ = amax|x| over a group / max_level, x̂ = clamp(rint(x·fl(1/δ))). Groups per
+   token, per_thread (the sm90 accumulator's key groups) or per_block. s·log2(e) is folded into δQ.
+4. S = (q̂·k̂ᵀ exact in int32)·δQ·δK + ΔS, fp32, base 2. Online softmax: P̃ = exp2(S − m) ∈ (0, 1].
+5. P̂ = e4m3(P̃·448) (static scale); V̂ᵀ = e4m3(ṽ·fl(1/δV)), δV = amax over tokens per channel / 448 (ṽ = v − μV
+   with smooth_v). Row sums l are kept in fp32 from the unquantized P̃. (pv="fp16": fp16 instead of e4m3.)
+6. Two-level accumulation: per key block acc = P̂·V̂ from zero, then O32 = O32·exp2(m_old − m_new) + acc in fp32.
+   O = O32/(448·l)·δV + μV, cast to the input dtype.
+7. LSE: natural-log log-sum-exp of the smoothed scores (``Prepared.lse_shift`` turns it into SDPA's).
+Causal masks are top-left aligned (SDPA's ``is_causal``) or bottom-right (KV cache), named explicitly.
+
 Two halves, matching the two ops:
 
-* ``prepare`` — smoothing, quantization and layout (DESIGN.md spec steps 1–3, 5 for V). It is traceable
+* ``prepare`` — smoothing, quantization and layout (steps 1–3, and 5 for V). It is traceable
   aten code: ``sage.attention`` decomposes into exactly this, so Inductor fuses it into the producers.
 * ``quantized_attention_reference`` — the kernel contract (steps 4–7), written as a blockwise loop over
   key blocks so that it reproduces the online softmax and the two-level accumulation of a real kernel.
@@ -26,6 +41,8 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .scheme import MAX_K_MEAN_SAMPLE, PV_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme  # noqa: F401
+
 LOG2E = math.log2(math.e)
 P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
 E4M3_MAX = 448.0
@@ -34,16 +51,7 @@ REFERENCE_BLOCK_N = 64  # key block of the reference's online softmax (the CPU k
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 CAUSAL_NAMES = {CAUSAL_NONE: "none", CAUSAL_TOP_LEFT: "top_left", CAUSAL_BOTTOM_RIGHT: "bottom_right"}
 
-QK_LEVELS = {"int8": 127, "int4": 7}
-PV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16}
-GRANULARITIES = ("per_token", "per_thread", "per_block")  # of K
-Q_GRANULARITIES = ("per_token", "per_block")
-# per_thread (K only): within each block of THREAD_GROUP_KEYS keys, key k belongs to group (k mod 16) div 4
-# — the 32 keys one thread of the sm90 kernel holds in its QK accumulator (columns 8i + 2t + e after the
-# kernel's K row permutation, t = lane mod 4). One δK per thread and key block, so the kernel folds
-# δQ·δK into the exp2 FMA once per row instead of multiplying every score by its key's δK.
-THREAD_GROUP_KEYS = 128
-THREAD_GROUPS_PER_BLOCK = 4
+PV_DTYPES = {name: t.storage for name, t in PV_TYPES.items()}
 # Step 1's μK from a fixed sample of keys where there are more than ``k_mean_sample``: any μ is exact after
 # dequantization (q·μ is the same for every key of a row, and softmax ignores it; the LSE shift uses the same μ), so
 # μ only centres K's quantization range, and S keys estimate the channel means to σ/√S. Sample i is key ⌊u_i·n⌋
@@ -53,46 +61,6 @@ THREAD_GROUPS_PER_BLOCK = 4
 # n): Inductor folds arange arithmetic into index expressions it may evaluate in int32.
 WEYL_BITS = 15
 WEYL_STEP = 20251  # odd, ≈ 2^15·φ⁻¹ (20251.7)
-MAX_K_MEAN_SAMPLE = 4096
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """What ``prepare`` does; the config fields that change numerics, nothing else."""
-
-    qk: str = "int8"
-    q_granularity: str = "per_token"
-    k_granularity: str = "per_token"
-    q_block: int = 128  # tokens per Q group for per_block scales and for Q smoothing
-    k_block: int = 64
-    smooth_k: bool = True
-    smooth_q: bool = False
-    smooth_v: bool = False
-    pv: str = "fp8"
-    k_mean_sample: int = 512  # μK from this many keys where there are more (0: all keys; see WEYL_STEP)
-
-    def __post_init__(self):
-        _check_choice("qk", self.qk, QK_LEVELS)
-        _check_choice("pv", self.pv, PV_DTYPES)
-        _check_choice("q_granularity", self.q_granularity, GRANULARITIES)
-        _check_choice("k_granularity", self.k_granularity, GRANULARITIES)
-        for name in ("q_block", "k_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive int")
-        if not isinstance(self.k_mean_sample, int) or not 0 <= self.k_mean_sample <= MAX_K_MEAN_SAMPLE:
-            raise ValueError(f"k_mean_sample={self.k_mean_sample!r}: expected an int in [0, {MAX_K_MEAN_SAMPLE}] "
-                             "(0: μK over all keys)")
-        if self.q_granularity == "per_thread":
-            raise ValueError("q_granularity='per_thread': thread groups are a K granularity (a kernel applies "
-                             "δQ once per row anyway); use per_token or per_block for Q")
-        if self.qk == "int4" and not self.smooth_q:
-            raise ValueError("qk='int4' needs smooth_q=True (4-bit Q is unusable without smoothing)")
-
-
-def _check_choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {sorted(allowed)}")
 
 
 def padded_head_dim(d: int) -> int:
@@ -140,10 +108,9 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     """x̂ = clamp(round_half_even(x·(1/δ)), ±levels), δ = fma_friendly(max(amax/levels, tiny)); returns (int8 x̂,
     fp32 δ). Every fp32 operation rounds once: amax/levels and 1/δ are IEEE divisions, x·(1/δ) one rounded product.
 
-    The product with the rounded reciprocal (not the quotient x/δ, as DESIGN.md writes it, and as this spec was until
-    session 22) is what a kernel computes in two instructions — mul, then add 1.5·2²³, whose ulp of 1 makes the add
-    the rint — where matching the IEEE quotient took six and a rare division; the prep's quantize kernels are
-    issue-bound, so that is their speed. The two differ by one step only where x/δ lies within ~1e-5 of a
+    The product with the rounded reciprocal (rather than the quotient x/δ) is what a kernel computes in two
+    instructions — mul, then add 1.5·2²³, whose ulp of 1 makes the add the rint — where matching the IEEE
+    quotient took six and a rare division; the prep's quantize kernels are issue-bound, so that is their speed. The two differ by one step only where x/δ lies within ~1e-5 of a
     half-integer. δ is at least the smallest normal float, so 1/δ is finite (an all-zero group quantizes to 0)."""
     delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
     xq = torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
@@ -231,12 +198,8 @@ class Prepared:
     v_scale: torch.Tensor  # fp32 [B,Hkv,Dp]
     v_mean: Optional[torch.Tensor]  # fp32 [B,Hkv,Dp] or None
     delta_s: Optional[torch.Tensor]  # fp32 [B,Hq,ceil(Nq/q_block),Nk], base-2 score units, or None
-    q_group: int  # Q tokens per delta_s row
-    lse_shift: Optional[torch.Tensor]  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
-    k_thread_groups: bool = False  # k_scale is constant over each per_thread group (k_granularity='per_thread')
-    # (tables, out_scale) when q is Q *before* its rotary, to be rotated and quantized per token by the kernel
-    # (prep.rope_quantize_reference(q, tables, None, out_scale) exactly; q_scale is then None): sage.rope_q_attention
-    q_rope: Optional[tuple] = None
+    scheme: Scheme  # what was quantized how (q_block: Q tokens per delta_s row; per_thread K groups...)
+    lse_shift: Optional[torch.Tensor] = None  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
 
 
 def prepare(
@@ -244,7 +207,7 @@ def prepare(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    quant: Quantization,
+    quant: Scheme,
     kv_lens: Optional[torch.Tensor] = None,
     want_lse: bool = False,
     v_prep=None,
@@ -254,7 +217,7 @@ def prepare(
     bit-equal to ``prepare_v`` below, the default)."""
     d = q.shape[-1]
     pad = padded_head_dim(d) - d
-    levels = QK_LEVELS[quant.qk]
+    levels = quant.qk_type.max_level
     score_scale = scale * LOG2E
 
     k_mean = token_mean(k, kv_lens, quant.k_mean_sample)  # step 1
@@ -287,13 +250,12 @@ def prepare(
         v_scale=v_scale,
         v_mean=v_mean,
         delta_s=delta_s,
-        q_group=quant.q_block,
+        scheme=quant,
         lse_shift=lse_shift,
-        k_thread_groups=quant.k_granularity == "per_thread",
     )
 
 
-def prepare_v(v: torch.Tensor, quant: Quantization, kv_lens: Optional[torch.Tensor] = None):
+def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = None):
     """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None)."""
     pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
     vf = v.float()
@@ -363,24 +325,25 @@ def quantized_attention_reference(
     v_mean: Optional[torch.Tensor],
     delta_s: Optional[torch.Tensor],
     kv_lens: Optional[torch.Tensor],
-    q_group: int,
+    attn_mask: Optional[torch.Tensor],
     causal: int,
     head_dim: int,
     out_dtype: torch.dtype,
+    scheme: Scheme,
     block_n: int = REFERENCE_BLOCK_N,
-    attn_mask: Optional[torch.Tensor] = None,
-    k_thread_groups: bool = False,
 ):
     """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores).
 
-    ``k_thread_groups`` promises δK constant over each per_thread group (checked here; a kernel may then
-    read one δK per group). ``attn_mask`` [B|1, Hq|1, Nq|1, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e.
-    SDPA's additive mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
+    The arguments are sage.quantized_attention's (``Prepared`` says what each holds). With per_thread K
+    (``scheme.k_thread_groups``) δK must be constant over each group (checked here; a kernel may then read
+    one δK per group). ``delta_s`` row r/q_block serves query row r (q_block of the scheme). ``attn_mask``
+    [B|1, Hq|1, Nq|1, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e. SDPA's additive
+    mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
     batch, hq, n_q, dp = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     group = hq // hkv
     dev = q.device
-    if k_thread_groups:
+    if scheme.k_thread_groups:
         check_k_thread_groups(k_scale)
     qi = q.to(torch.int32)
     ki = k.to(torch.int32).repeat_interleave(group, dim=1)  # the oracle may copy; kernels must not
@@ -397,7 +360,7 @@ def quantized_attention_reference(
         dots = (qi @ ki[:, :, cols].transpose(-1, -2)).float()  # exact int32 → fp32 (|dot| < 2^24)
         s = dots * q_scale.unsqueeze(-1) * ks[:, :, None, cols]
         if delta_s is not None:
-            rows_group = torch.arange(n_q, device=dev) // q_group
+            rows_group = torch.arange(n_q, device=dev) // scheme.q_block
             s = s + delta_s[:, :, rows_group, cols]
         if attn_mask is not None:
             tile = attn_mask[..., cols]
@@ -411,7 +374,7 @@ def quantized_attention_reference(
         p = exp2_fp32(s - m_safe.unsqueeze(-1))  # P̃ ∈ [0, 1]
         alpha = exp2_fp32(m - m_safe)
         l = l * alpha + p.double().sum(dim=-1).float()
-        p_hat = quantize_pv_operand(p * P_SCALE, "fp8" if v.dtype == torch.float8_e4m3fn else "fp16")
+        p_hat = quantize_pv_operand(p * P_SCALE, scheme.pv)
         acc = (p_hat.double() @ vt[..., cols].transpose(-1, -2)).float()  # exact, then one rounding
         o32 = o32 * alpha.unsqueeze(-1) + acc
         m = m_new
@@ -435,7 +398,7 @@ def kernel_mask(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def reference_attention(
-    q, k, v, scale=None, causal: int = CAUSAL_NONE, quant: Quantization = Quantization(),
+    q, k, v, scale=None, causal: int = CAUSAL_NONE, quant: Scheme = Scheme(),
     kv_lens=None, block_n: int = REFERENCE_BLOCK_N, attn_mask=None,
 ):
     """The whole spec end to end (prep + kernel contract), SDPA layout: out [B,Hq,Nq,D].
@@ -444,8 +407,7 @@ def reference_attention(
     p = prepare(q, k, v, scale, quant, kv_lens)
     out, _ = quantized_attention_reference(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        p.q_group, causal, q.shape[-1], q.dtype, block_n=block_n,
-        attn_mask=kernel_mask(mask_operand(attn_mask, q, k)), k_thread_groups=p.k_thread_groups,
+        kernel_mask(mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, p.scheme, block_n=block_n,
     )
     return out
 

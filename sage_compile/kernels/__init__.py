@@ -1,10 +1,13 @@
-"""Kernels for ``sage.quantized_attention``, one module per family.
+"""Kernels for ``sage.quantized_attention``, one module per family; backward kernels in ``kernels/backward/``.
 
-Each module exposes ``NAME``, ``supports(args) -> str | None`` (None when it can run ``args``, else the
-reason it cannot) and ``run(args, out, lse)`` which writes into preallocated outputs on the current
-stream. ``sage_compile.dispatch`` picks the first that supports the inputs, in the order below. A module whose
-``run`` checks ``supports`` again may also expose ``run_supported(args, out, lse)``, which the dispatcher calls
-instead (the host time of one check less per call).
+Each family module exposes:
+* ``NAME``;
+* ``supports(site: KernelSite) -> str | None`` — pure, in terms of the scheme, device, dtype and head dim:
+  None when the family runs such a site, else the reason (explain and doctor show it);
+* ``accepts(args: KernelArgs) -> str | None`` — what only the real tensors tell (strides, alignment, sizes);
+* ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks.
+``sage_compile.dispatch`` picks the first family, in ``KERNEL_MODULES`` order, whose ``supports`` and ``accepts``
+both pass; ``run(module, args, out, lse)`` below runs one family directly, with every check.
 """
 from __future__ import annotations
 
@@ -14,10 +17,24 @@ from typing import Optional
 
 import torch
 
+from ..scheme import Scheme
+
+
+@dataclass(frozen=True)
+class KernelSite:
+    """What a family's ``supports`` may look at: known when a graph is compiled, before any tensor exists."""
+
+    scheme: Scheme
+    device: torch.device
+    dtype: torch.dtype  # of the attention's inputs and output
+    head_dim: int  # padded (spec.padded_head_dim)
+    causal: int = 0
+    masked: bool = False  # an attn_mask is given
+
 
 @dataclass
 class KernelArgs:
-    """The quantized op's inputs; shapes and meaning are defined in ``sage_compile.spec.Prepared``."""
+    """sage.quantized_attention's arguments, in its order (``spec.Prepared`` says what each holds)."""
 
     q: torch.Tensor
     q_scale: torch.Tensor
@@ -28,36 +45,47 @@ class KernelArgs:
     v_mean: Optional[torch.Tensor]
     delta_s: Optional[torch.Tensor]
     kv_lens: Optional[torch.Tensor]
-    q_group: int
+    attn_mask: Optional[torch.Tensor]  # [B|1, Hq|1, Nq|1, Nk]: bool, or fp32 added to S (base 2)
     causal: int
     head_dim: int
     out_dtype: torch.dtype
-    attn_mask: Optional[torch.Tensor] = None  # [B|1, Hq|1, Nq|1, Nk]: bool, or fp32 added to S (base 2)
-    k_thread_groups: bool = False  # k_scale constant over each per_thread key group (spec.THREAD_GROUP_KEYS)
+    scheme: Scheme
 
     @classmethod
     def from_prepared(cls, p, kv_lens, causal: int, head_dim: int, out_dtype: torch.dtype,
                       attn_mask: Optional[torch.Tensor] = None) -> "KernelArgs":
         """The op's inputs from a ``spec.Prepared`` (what sage.attention passes to sage.quantized_attention)."""
-        return cls(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, p.q_group,
-                   causal, head_dim, out_dtype, attn_mask, p.k_thread_groups)
+        return cls(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, attn_mask,
+                   causal, head_dim, out_dtype, p.scheme)
 
     @property
     def device(self) -> torch.device:
         return self.q.device
 
+    @property
+    def site(self) -> KernelSite:
+        return KernelSite(self.scheme, self.q.device, self.out_dtype, self.q.shape[-1], self.causal,
+                          self.attn_mask is not None)
+
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
-# breaks import). The native sm90 kernel comes first on Hopper: since session 6 it is ahead of the Triton
-# kernel at both head dims (H100, N=16K: 693 vs 662 TOPS at D=128, 476 vs 450 at D=64; behind by 2-3% only
-# causal at D=128 from 16K keys — docs/results/README.md); inputs it does not cover fall through to Triton.
-# SAGE_KERNELS=triton,sm90,... changes the order.
+# breaks import). The native sm90 kernel comes first on Hopper (ahead of the Triton kernel at both head dims);
+# inputs it does not cover fall through to Triton. SAGE_KERNELS=triton,sm90,... changes the order.
 KERNEL_MODULES = (
     "sage_compile.kernels.sm90",
     "sage_compile.kernels.triton",
     "sage_compile.kernels.cpu",
     "sage_compile.kernels.reference",
 )
+
+
+def run(module, args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Run one family on ``args`` after every check (tests and benchmarks pin a family this way)."""
+    check_inputs(args, out, lse)
+    reason = module.supports(args.site) or module.accepts(args)
+    if reason is not None:
+        raise ValueError(f"sage.quantized_attention ({module.NAME}): {reason}")
+    module.launch(args, out, lse)
 
 
 _TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask")
@@ -71,8 +99,8 @@ def broadcast_strides(t: torch.Tensor) -> tuple:
 
 
 def mask_problem(args: KernelArgs) -> Optional[str]:
-    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32 (the
-    GPU kernels' ``supports`` give it as their reason; check_inputs raises it)."""
+    """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32, on q's
+    device (check_inputs raises it)."""
     mask = args.attn_mask
     if mask is None:
         return None
@@ -91,11 +119,17 @@ def mask_problem(args: KernelArgs) -> Optional[str]:
     return None
 
 
-def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_type: str) -> None:
-    """Kernels that read and write wherever pointers, sizes and strides say (the C++ and CUDA ones) call
-    this first: a wrong shape, or a tensor on another device, must stop here."""
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KV_LENS_DTYPES = (torch.int32, torch.int64)
+_SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
+
+
+def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The op's contract, checked before any family runs (the C++ and CUDA kernels read and write wherever
+    pointers, sizes and strides say): shapes and dtypes as ``args.scheme`` defines them, one device."""
     from .. import spec
 
+    scheme = args.scheme
     if args.q.dim() != 4 or args.k.dim() != 4:
         raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
                          f"{tuple(args.k.shape)}")
@@ -103,33 +137,48 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, device_
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"sage.quantized_attention: Hq={hq} is not a multiple of Hkv={hkv}")
-    if args.q_group < 1 or not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
-        raise ValueError(f"sage.quantized_attention: q_group={args.q_group}, head_dim={args.head_dim} "
-                         f"(Dp={dp}), causal={args.causal} out of range")
+    if not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
+        raise ValueError(f"sage.quantized_attention: head_dim={args.head_dim} (Dp={dp}), causal={args.causal} "
+                         "out of range")
+    for name, present, wanted in (("delta_s", args.delta_s is not None, scheme.smooth_q),
+                                  ("v_mean", args.v_mean is not None, scheme.smooth_v)):
+        if present != wanted:
+            raise ValueError(f"sage.quantized_attention: {name} is {'given' if present else 'missing'} but the "
+                             f"scheme has {'smooth_q' if name == 'delta_s' else 'smooth_v'}={wanted}")
     expected = {
-        "q_scale": (batch, hq, n_q),
+        "q_scale": scheme.scale_shape(batch, hq, n_q, dp),
         "k": (batch, hkv, n_k, dp),
-        "k_scale": (batch, hkv, n_k),
+        "k_scale": scheme.scale_shape(batch, hkv, n_k, dp),
         "v_scale": (batch, hkv, dp),
         "v_mean": (batch, hkv, dp),
-        "delta_s": (batch, hq, math.ceil(n_q / args.q_group), n_k),
+        "delta_s": (batch, hq, math.ceil(n_q / scheme.q_block), n_k),
         "kv_lens": (batch,),
         "out": (batch, hq, n_q, args.head_dim),
         "lse": (batch, hq, n_q),
     }
+    dtypes = {"q": (scheme.qk_type.storage,), "k": (scheme.qk_type.storage,), "v": (scheme.pv_type.storage,),
+              "kv_lens": _KV_LENS_DTYPES, "out": (args.out_dtype,), "lse": (torch.float32,),
+              **{name: (torch.float32,) for name in _SCALE_FIELDS}}
+    if args.out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"sage.quantized_attention: out_dtype={args.out_dtype}; expected one of {_OUT_DTYPES}")
     tensors = {name: getattr(args, name) for name in _TENSOR_FIELDS}
     tensors.update(out=out, lse=lse)
     for name, t in tensors.items():
         if t is None:
             continue
-        if t.device.type != device_type or t.device != args.q.device:
+        if t.device != args.q.device:
             raise ValueError(f"sage.quantized_attention: {name} is on {t.device}, q on {args.q.device}; "
-                             f"the {device_type} kernel needs every tensor on one {device_type} device")
+                             "every tensor must be on one device")
         if name in expected and tuple(t.shape) != expected[name]:
             raise ValueError(f"sage.quantized_attention: {name} has shape {tuple(t.shape)}, expected {expected[name]}")
+        if name in dtypes and t.dtype not in dtypes[name]:
+            raise ValueError(f"sage.quantized_attention: {name}.dtype={t.dtype}; the scheme (qk={scheme.qk!r}, "
+                             f"pv={scheme.pv!r}) needs {' or '.join(map(str, dtypes[name]))}")
     mask_reason = mask_problem(args)
     if mask_reason is not None:
         raise ValueError(f"sage.quantized_attention: {mask_reason}")
     v_shape = tuple(args.v.shape)
     if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
         raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")
+    if scheme.k_thread_groups and args.device.type == "cpu":  # a kernel may read one δK per group: verify where cheap
+        spec.check_k_thread_groups(args.k_scale)

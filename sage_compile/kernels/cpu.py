@@ -1,7 +1,8 @@
 """The C++ CPU kernel (``sage_compile._C``): ``spec.quantized_attention_reference`` bit for bit, faster.
 
-The extension takes raw pointers and strides, so it trusts the shapes it is given: ``run`` checks them
-first. Importing this module fails when the extension is not built, and the dispatcher then skips it.
+The extension takes raw pointers and strides, so it trusts the shapes it is given (``check_inputs`` checks
+them before any family runs). Importing this module fails when the extension is not built, and the
+dispatcher then skips it.
 """
 from __future__ import annotations
 
@@ -10,40 +11,30 @@ from typing import Optional
 import torch
 
 from .. import _C, spec
-from . import KernelArgs, broadcast_strides, check_inputs, mask_problem
+from . import KernelArgs, KernelSite, broadcast_strides
 
 NAME = "cpu"
 
-_SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
-_V_DTYPES = (torch.float8_e4m3fn, torch.float16)
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_KV_LENS_DTYPES = (torch.int32, torch.int64)
+QK_TYPES = ("int8", "int4")  # int4 values are stored in int8: the same products
+PV_TYPES = ("fp8", "fp16")
 
 
-def supports(args: KernelArgs) -> Optional[str]:
-    if args.device.type != "cpu":
-        return f"device is {args.device.type}, not cpu"
-    for name in ("q", "k"):
-        if getattr(args, name).dtype != torch.int8:
-            return f"{name}.dtype={getattr(args, name).dtype}, expected int8"
-    for name in _SCALE_FIELDS:
-        t = getattr(args, name)
-        if t is not None and t.dtype != torch.float32:
-            return f"{name}.dtype={t.dtype}, expected float32"
-    if args.v.dtype not in _V_DTYPES:
-        return f"v.dtype={args.v.dtype}, expected float8_e4m3fn or float16"
-    if args.out_dtype not in _OUT_DTYPES:
-        return f"out_dtype={args.out_dtype}, expected bfloat16, float16 or float32"
-    if args.kv_lens is not None and args.kv_lens.dtype not in _KV_LENS_DTYPES:
-        return f"kv_lens.dtype={args.kv_lens.dtype}, expected int32 or int64"
-    return mask_problem(args)
+def supports(site: KernelSite) -> Optional[str]:
+    if site.device.type != "cpu":
+        return f"device is {site.device.type}, not cpu"
+    if site.scheme.qk not in QK_TYPES:
+        return f"qk={site.scheme.qk!r}: the C++ kernel multiplies {' or '.join(QK_TYPES)} values"
+    if site.scheme.pv not in PV_TYPES:
+        return f"pv={site.scheme.pv!r}: the C++ kernel reads {' or '.join(PV_TYPES)} V"
+    return None
 
 
-def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
+def accepts(args: KernelArgs) -> Optional[str]:
+    return None  # any strides: the kernel indexes every tensor through its strides
+
+
+def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
-    check_inputs(args, out, lse, "cpu")
-    if args.k_thread_groups:  # reads every key's δK, so the promise costs nothing here; check it
-        spec.check_k_thread_groups(args.k_scale)
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     _C.quantized_attention(
@@ -52,7 +43,7 @@ def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         v_mean=_tensor_arg(args.v_mean), delta_s=_tensor_arg(args.delta_s), kv_lens=_tensor_arg(args.kv_lens),
         attn_mask=_mask_arg(args.attn_mask), out=_tensor_arg(out), lse=_tensor_arg(lse),
         sizes=(batch, hq, hkv, n_q, n_k, dp),
-        head_dim=args.head_dim, q_group=args.q_group, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
+        head_dim=args.head_dim, q_group=args.scheme.q_block, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
         num_threads=torch.get_num_threads(),  # honour torch.set_num_threads, like torch's own CPU ops
     )
 

@@ -1,23 +1,24 @@
-"""The spec itself as a kernel: any device, slow (a Python loop over key blocks). Last resort only."""
+"""The spec itself as a kernel: any device, any scheme, slow (a Python loop over key blocks). Last resort only."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .. import spec
-from . import KernelArgs
+from . import KernelArgs, KernelSite
 
 NAME = "reference"
 
 
-def supports(args: KernelArgs) -> Optional[str]:
+def supports(site: KernelSite) -> Optional[str]:
     return None
 
 
-def run(args: KernelArgs, out, lse) -> None:
-    o, l = spec.quantized_attention_reference(
-        args.q, args.q_scale, args.k, args.k_scale, args.v, args.v_scale, args.v_mean, args.delta_s,
-        args.kv_lens, args.q_group, args.causal, args.head_dim, args.out_dtype, attn_mask=args.attn_mask,
-        k_thread_groups=args.k_thread_groups,
-    )
+def accepts(args: KernelArgs) -> Optional[str]:
+    return None
+
+
+def launch(args: KernelArgs, out, lse) -> None:
+    o, l = spec.quantized_attention_reference(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
     out.copy_(o)
     lse.copy_(l)
