@@ -7,6 +7,7 @@ they target is named or present:
 With no nvcc, no GPU and no SAGE_CUDA_ARCHS — a CPU machine — only the CPU reference is built, and a
 CUDA build that fails is reported and skipped, so `pip install` never fails for CUDA.
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,8 +21,10 @@ from setuptools import Extension, setup
 
 cpu_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]
 
-SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu", "csrc/sm90/attention_bias.cu",
-                "csrc/sm90/attention_pv16.cu", "csrc/sm90/attention_rope_q.cu"]
+SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
+# The kernel instantiations and their table: generated into the build directory at build time (one .cu per group,
+# compiled in parallel with the rest) by this script's generate(out_dir).
+SM90_GENERATOR = "csrc/sm90/instantiations.py"
 KERNEL_ARCHS = {"_sm90": {"90a"}}  # extension → archs it has code for
 
 
@@ -51,11 +54,20 @@ def _requested_archs():
 
 
 class NvccExtension(Extension):
-    """A pybind11 module whose sources nvcc compiles and links (CUDA runtime linked statically)."""
+    """A pybind11 module whose sources nvcc compiles and links (CUDA runtime linked statically). ``generator``: a
+    script whose ``generate(out_dir)`` writes more sources into the build directory and returns their paths."""
 
-    def __init__(self, name, sources, archs):
+    def __init__(self, name, sources, archs, generator=None):
         super().__init__(name, sources)
         self.archs = sorted(archs)
+        self.generator = generator
+
+
+def _generated_sources(generator, out_dir):
+    spec = importlib.util.spec_from_file_location("_sage_generator", generator)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.generate(out_dir)
 
 
 def _run(cmd):
@@ -72,16 +84,20 @@ class BuildExt(build_ext):
         objects_dir = os.path.join(self.build_temp, ext.name)
         os.makedirs(objects_dir, exist_ok=True)
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.archs]
+        include_dirs = sorted({os.path.abspath(os.path.dirname(src)) for src in ext.sources})
         flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-I", pybind11_include(),
-                 "-I", sysconfig.get_paths()["include"], *gencode]
-        objects = [os.path.join(objects_dir, os.path.basename(src) + ".o") for src in ext.sources]
+                 "-I", sysconfig.get_paths()["include"], *(f"-I{d}" for d in include_dirs), *gencode]
         # One nvcc per source, in parallel (MAX_JOBS, default every core): the kernel files take the time.
         jobs = int(os.environ.get("MAX_JOBS", "0")) or os.cpu_count() or 1
-        try:
+        try:  # never fail the install for CUDA: a failed generator or nvcc leaves the Triton/CPU kernels
+            sources = list(ext.sources)
+            if ext.generator is not None:
+                sources += _generated_sources(ext.generator, os.path.join(objects_dir, "generated"))
+            objects = [os.path.join(objects_dir, os.path.basename(src) + ".o") for src in sources]
             with ThreadPoolExecutor(max_workers=jobs) as pool:
-                list(pool.map(_run, [[_nvcc(), "-c", src, "-o", obj, *flags] for src, obj in zip(ext.sources, objects)]))
+                list(pool.map(_run, [[_nvcc(), "-c", src, "-o", obj, *flags] for src, obj in zip(sources, objects)]))
             _run([_nvcc(), *objects, "-o", target, "-shared", "--cudart", "static", *gencode])
-        except (OSError, subprocess.CalledProcessError) as err:  # never fail the install for CUDA
+        except Exception as err:  # noqa: BLE001 (nvcc, the generator, the file system: all optional for CUDA)
             print(f"WARNING: building {ext.name} failed ({err}); the Triton/CPU kernels remain", file=sys.stderr)
 
 
@@ -97,7 +113,8 @@ ext_modules = [
 if _nvcc():
     archs = _requested_archs()
     if archs & KERNEL_ARCHS["_sm90"]:
-        ext_modules.append(NvccExtension("sage_compile._sm90", SM90_SOURCES, archs & KERNEL_ARCHS["_sm90"]))
+        ext_modules.append(NvccExtension("sage_compile._sm90", SM90_SOURCES, archs & KERNEL_ARCHS["_sm90"],
+                                          generator=SM90_GENERATOR))
 
 setup(
     packages=["sage_compile", "sage_compile.kernels", "sage_compile.kernels.backward", "sage_compile.integrations",

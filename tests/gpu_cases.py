@@ -87,7 +87,7 @@ def closed_rows_mask(batch, hq, n_q, n_k, dtype):
 
 def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, smooth_v=False, q_block=128,
               kv_lens=None, out_dtype=torch.bfloat16, seed=0, temperature=1.0, k_bias=2.0, mask=None,
-              k_granularity="per_token"):
+              k_granularity="per_token", qk="int8"):
     """Prepared inputs from random bf16 q/k/v (never zeros), via spec.prepare, on the GPU; ``mask`` is one
     of MASK_KINDS."""
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -95,7 +95,8 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, s
     k = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + k_bias * torch.randn(d, device=DEV, generator=g)
     v = torch.randn(batch, hkv, n_k, d, device=DEV, generator=g) + 0.5
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    quant = spec.Scheme(pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block, k_granularity=k_granularity)
+    quant = spec.Scheme(qk=qk, pv=pv, smooth_q=smooth_q, smooth_v=smooth_v, q_block=q_block,
+                        k_granularity=k_granularity)
     p = spec.prepare(q, k, v, d ** -0.5, quant, kv_lens)
     return KernelArgs.from_prepared(p, kv_lens, causal, d, out_dtype, random_mask(mask, batch, hq, n_q, n_k, seed))
 

@@ -1,9 +1,8 @@
-// Launching the sm90 kernels (csrc/sm90/kernel.cuh): tensor maps, the instantiation for the inputs, the
-// resources kernel_info reports. The kernels that read ΔS / an attn_mask are instantiated in attention_bias.cu.
+// Launching the sm90 kernel (csrc/sm90/kernel.cuh): the tensor maps, the score-bias load flags, the instantiation
+// for the inputs (looked up in the generated table, launch.cuh) and the resources kernel_info reports.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <cstdlib>
-#include <cstring>
+#include <cstdio>
 
 #include "launch.cuh"
 
@@ -28,25 +27,16 @@ static uint64_t outer_stride(int64_t stride, int64_t size, uint64_t inner_extent
   return size <= 1 ? inner_extent : static_cast<uint64_t>(stride);
 }
 
-// SAGE_SM90_TMA=0 turns the tensor maps off (every copy a cp.async) for side-by-side measurement.
-static bool tensor_maps_enabled() {
-  static const bool enabled = [] {
-    const char* text = std::getenv("SAGE_SM90_TMA");
-    return text == nullptr || std::strcmp(text, "0") != 0;
-  }();
-  return enabled;
-}
-
 static bool aligned16(uint64_t x) { return x % 16 == 0; }
 
 // Tensor maps of K (permuted-row halves, see KeyOrder; pv16: the block's rows in natural order), Vᵀ (e4m3, or
-// fp16 in 64-key boxes) and δK for the one-warpgroup kernel, all or none: tma = 1 only when every map encodes. Keys past Nk read as zeros (the copy engine fills them), so
-// the tail block needs no special case. Strides the copy engine cannot take (not multiples of 16 bytes),
+// fp16 in 64-key boxes) and δK, all or none: tma = 1 only when every map encodes. Keys past Nk read as zeros (the
+// copy engine fills them), so the tail block needs no special case. Strides the copy engine cannot take (not multiples of 16 bytes),
 // Nk not a multiple of 4 (K's rows are addressed as quads) or shorter than one block leave tma = 0.
 static void fill_tensor_maps(Params& q) {
   q.tma = 0;
   PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr || !tensor_maps_enabled() || q.nk < kBlockN || q.nk % 4 != 0) return;
+  if (encode == nullptr || q.nk < kBlockN || q.nk % 4 != 0) return;
   const int d = q.head_dim_padded;
   const cuuint64_t batch = static_cast<cuuint64_t>(q.batch), heads = static_cast<cuuint64_t>(q.hkv);
   cuuint32_t unit[5] = {1, 1, 1, 1, 1};
@@ -104,10 +94,44 @@ static bool bias_vec(const void* base, int elem_bytes, int64_t sb, int64_t sh, i
   return reinterpret_cast<uintptr_t>(base) % (4 * elem_bytes) == 0 && sk == 1 && four(sb) && four(sh) && four(sr);
 }
 
-// The instantiation for the inputs: tensor maps or cp.async, per-key or per-thread-group δK, pair epilogue,
-// score biases, fp16 PV.
-template <int D, int CtasPerSm>
-static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
+// Whether the epilogue may move head-dim elements in pairs (kPairs): bf16 out with its head dim contiguous and
+// unpadded, every pair's first element at an even index from a base aligned for two (out, δV, μV), so one
+// vector access each. (Pairs start at even d; a row starts at an even element when every stride is even.)
+static bool pairs_aligned(const Params& p) {
+  const auto even = [](int64_t x) { return x % 2 == 0; };
+  const auto aligned = [](const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
+  if (p.out_dtype != kOutBF16 || p.o_sd != 1 || p.head_dim != p.head_dim_padded) return false;
+  if (!aligned(p.out, 4) || !even(p.o_sb) || !even(p.o_sh) || !even(p.o_sn)) return false;
+  if (!aligned(p.v_scale, 8) || !even(p.vs_sb) || !even(p.vs_sh)) return false;
+  return p.v_mean == nullptr || (aligned(p.v_mean, 8) && even(p.vm_sb) && even(p.vm_sh));
+}
+
+static bool same_key(const InstanceKey& a, const InstanceKey& b) {
+  return a.head_dim == b.head_dim && a.ctas_per_sm == b.ctas_per_sm && a.maps == b.maps && a.thread_k == b.thread_k &&
+         a.pairs == b.pairs && a.bias == b.bias && a.pv16 == b.pv16;
+}
+
+static const Instance* find_instance(const InstanceKey& key) {
+  for (int g = 0; g < kInstanceGroupCount; ++g)
+    for (int i = 0; i < kInstanceGroups[g].count; ++i)
+      if (same_key(kInstanceGroups[g].rows[i].key, key)) return &kInstanceGroups[g].rows[i];
+  return nullptr;
+}
+
+static const char* missing_instance(const InstanceKey& key) {
+  static thread_local char text[256];
+  std::snprintf(text, sizeof(text),
+                "sm90 kernel: no instantiation built for head_dim=%d ctas_per_sm=%d maps=%d thread_k=%d pairs=%d "
+                "bias=%d pv16=%d (csrc/sm90/instantiations.py builds those sage_compile/kernels/sm90.py's "
+                "heuristics pick)",
+                key.head_dim, key.ctas_per_sm, key.maps, key.thread_k, key.pairs, key.bias, key.pv16);
+  return text;
+}
+
+const char* launch(const Params& p, int64_t stream, int ctas_per_sm) {
+  if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
+  if (p.pv16 && p.k_thread_groups)
+    return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
   Params q = p;
   fill_tensor_maps(q);
   const bool biased = q.delta_s != nullptr || q.mask != nullptr;
@@ -115,99 +139,39 @@ static cudaError_t launch_1wg(const Params& p, cudaStream_t stream) {
     q.ds_vec = bias_vec(q.delta_s, 4, q.ds_sb, q.ds_sh, q.ds_sr, q.ds_sk);
     q.mask_vec = bias_vec(q.mask, q.mask_bool ? 1 : 4, q.mask_sb, q.mask_sh, q.mask_sr, q.mask_sk);
   }
-  if (q.xq != nullptr) return launch_1wg_rope_q(q, stream, CtasPerSm);
-  if (q.pv16) return launch_1wg_pv16(q, stream, CtasPerSm);
-  if (biased) return launch_1wg_biased(q, stream, CtasPerSm == 2 ? 2 : 3);  // variant 3 takes v2's (none of 4)
-  return launch_1wg_for_inputs<D, CtasPerSm, false>(q, stream);
-}
-
-template <int D>
-static cudaError_t launch_for(const Params& p, cudaStream_t stream, int variant) {
-  if (variant == 1) return launch_1wg<D, 2>(p, stream);
-  if (variant == 2) return launch_1wg<D, 3>(p, stream);
-  if constexpr (D == 64) {
-    if (variant == 3) return launch_1wg<D, 4>(p, stream);
-  }
-  static unsigned configured = 0;
-  constexpr int kSmem = SmemLayout<D>::kDynamic;
-  cudaError_t err = allow_smem(attention_kernel<D>, kSmem, configured);
-  if (err != cudaSuccess) return err;
-  const dim3 grid((p.nq + kBlockM - 1) / kBlockM, p.batch * p.hq);
-  attention_kernel<D><<<grid, kConsumerThreads + 128, kSmem, stream>>>(p);
-  return cudaGetLastError();
-}
-
-const char* launch(const Params& p, int64_t stream, int variant) {
-  if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
-  if (variant < 0 || variant > 3)
-    return "sm90 kernel: variant must be 0 (warp-specialized), 1, 2 or 3 (one warpgroup, 2/3/4 CTAs per SM)";
-  if (variant == 3 && p.head_dim_padded != 64) return "sm90 kernel: variant 3 (four CTAs per SM) exists at D=64 only";
-  if (variant == 0 && (p.delta_s != nullptr || p.mask != nullptr))
-    return "sm90 kernel: ΔS and attn_mask are read by the one-warpgroup variants (1-3) only";
-  if (p.pv16 && (variant == 0 || variant == 3 || (variant == 2 && p.head_dim_padded == 128)))
-    return "sm90 kernel: fp16 PV runs on variant 1, and on variant 2 at head dim 64 only";
-  if (p.pv16 && p.k_thread_groups)
-    return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
-  if (p.xq != nullptr && (variant == 0 || p.pv16 || p.delta_s != nullptr || p.mask != nullptr))
-    return "sm90 kernel: Q's rotary in the prologue runs on variants 1-3 with e4m3 PV and no ΔS / attn_mask";
-  if (p.xq != nullptr && p.head_dim != p.head_dim_padded)
-    return "sm90 kernel: Q's rotary in the prologue needs an unpadded head dim (64 or 128)";
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  cudaError_t err;
-  if (p.head_dim_padded == 128) {
-    err = launch_for<128>(p, s, variant);
-  } else if (p.head_dim_padded == 64) {
-    err = launch_for<64>(p, s, variant);
-  } else {
-    return "sm90 kernel: padded head dim must be 64 or 128";
-  }
+  const bool maps = q.tma != 0;
+  const InstanceKey key{q.head_dim_padded, ctas_per_sm, maps, maps && q.k_thread_groups != 0, maps && pairs_aligned(q),
+                        biased, q.pv16 != 0};
+  const Instance* instance = find_instance(key);
+  if (instance == nullptr) return missing_instance(key);
+  const cudaError_t err = instance->launch(q, reinterpret_cast<cudaStream_t>(stream));
   return err == cudaSuccess ? "" : cudaGetErrorString(err);
 }
 
-template <int D>
-static cudaError_t attributes_for(int variant, bool thread_k, bool biased, bool pv16, bool rope_q,
-                                  cudaFuncAttributes* attr, int* dynamic_smem) {
-  if (rope_q) {
-    if (variant == 0 || biased || pv16) return cudaErrorInvalidValue;
-    return rope_q_attributes(D, variant + 1, thread_k, attr, dynamic_smem);
-  }
-  if (pv16) {
-    if (variant == 0 || thread_k) return cudaErrorInvalidValue;
-    return pv16_attributes(D, variant == 1 ? 2 : 3, biased, attr, dynamic_smem);
-  }
-  if (biased) {
-    if (variant == 0) return cudaErrorInvalidValue;
-    return biased_attributes(D, variant == 1 ? 2 : 3, thread_k, attr, dynamic_smem);  // as launch_1wg: v3 runs v2's
-  }
-  if (variant == 0) {
-    *dynamic_smem = SmemLayout<D>::kDynamic;
-    return cudaFuncGetAttributes(attr, attention_kernel<D>);
-  }
-  if (variant == 3) {  // four CTAs per SM: D=64 only (launch() refuses the rest)
-    if constexpr (D == 64) return attributes_1wg<D, 4, false>(thread_k, attr, dynamic_smem);
-    return cudaErrorInvalidValue;
-  }
-  return variant == 1 ? attributes_1wg<D, 2, false>(thread_k, attr, dynamic_smem)
-                      : attributes_1wg<D, 3, false>(thread_k, attr, dynamic_smem);
-}
-
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, bool rope_q, int* regs,
+bool kernel_info(int head_dim_padded, int ctas_per_sm, bool thread_k, bool biased, bool pv16, int* regs,
                  int* local_bytes, int* dynamic_smem, int* max_threads) {
-  if (variant < 0 || variant > 3) return false;
+  const Instance* instance = find_instance(InstanceKey{head_dim_padded, ctas_per_sm, true, thread_k, true, biased, pv16});
+  if (instance == nullptr) return false;
   cudaFuncAttributes attr{};
-  cudaError_t err;
-  if (head_dim_padded == 128) {
-    err = attributes_for<128>(variant, thread_k, biased, pv16, rope_q, &attr, dynamic_smem);
-  } else if (head_dim_padded == 64) {
-    err = attributes_for<64>(variant, thread_k, biased, pv16, rope_q, &attr, dynamic_smem);
-  } else {
-    return false;
-  }
-  if (err != cudaSuccess) return false;
+  if (instance->attributes(&attr, dynamic_smem) != cudaSuccess) return false;
   *regs = attr.numRegs;
   *local_bytes = static_cast<int>(attr.localSizeBytes);
   *max_threads = attr.maxThreadsPerBlock;
   return true;
+}
+
+int instance_count() {
+  int n = 0;
+  for (int g = 0; g < kInstanceGroupCount; ++g) n += kInstanceGroups[g].count;
+  return n;
+}
+
+InstanceKey instance_key(int index) {
+  for (int g = 0; g < kInstanceGroupCount; ++g) {
+    if (index < kInstanceGroups[g].count) return kInstanceGroups[g].rows[index].key;
+    index -= kInstanceGroups[g].count;
+  }
+  return InstanceKey{0, 0, false, false, false, false, false};
 }
 
 }  // namespace sage_sm90

@@ -31,9 +31,8 @@ std::vector<int64_t> strides(py::object value, size_t count) {
 void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, py::int_ v, py::object v_scale,
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
                std::tuple<int, int, int, int, int, int, int, int> sizes, int causal, int causal_offset,
-               bool kv_lens_int64, int out_dtype, int64_t stream, int variant, bool k_thread_groups,
-               py::object delta_s, int q_group, py::object mask, bool mask_bool, bool pv16, py::object xq,
-               bool xq_fp16, py::object rope, int rope_dtype, bool rope_same_halves, float q_out_scale) {
+               bool kv_lens_int64, int out_dtype, int64_t stream, int ctas_per_sm, bool k_thread_groups,
+               py::object delta_s, int q_group, py::object mask, bool mask_bool, bool pv16) {
   Params p{};
   p.q = pointer<const int8_t>(q);
   p.q_scale = pointer<const float>(q_scale);
@@ -74,31 +73,15 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.mask = pointer<const void>(mask);
   p.mask_sb = smk[0], p.mask_sh = smk[1], p.mask_sr = smk[2], p.mask_sk = smk[3];
   p.mask_bool = mask_bool ? 1 : 0;
-  p.xq = pointer<const void>(xq);  // Q's rotary in the prologue: q / q_scale unused
-  if (p.xq != nullptr) {
-    auto sx = get("xq", 3);
-    p.xq_sb = sx[0], p.xq_sh = sx[1], p.xq_sn = sx[2];
-    p.xq_fp16 = xq_fp16 ? 1 : 0;
-    auto tables = rope.cast<std::vector<uintptr_t>>();
-    if (tables.size() != 4) throw std::invalid_argument("sm90: rope needs four tables (c1, s1, c2, s2)");
-    for (int i = 0; i < 4; ++i) {
-      p.rope[i] = reinterpret_cast<const void*>(tables[i]);
-      auto s = get(("rope" + std::to_string(i)).c_str(), 3);
-      p.rope_sb[i] = s[0], p.rope_sh[i] = s[1], p.rope_sn[i] = s[2];
-    }
-    p.rope_dtype = rope_dtype;
-    p.rope_same_halves = rope_same_halves ? 1 : 0;
-    p.q_out_scale = q_out_scale;
-  }
-  const char* err = sage_sm90::launch(p, stream, variant);
+  const char* err = sage_sm90::launch(p, stream, ctas_per_sm);
   if (err[0] != '\0') throw std::runtime_error(std::string("sage sm90 kernel launch failed: ") + err);
 }
 
-py::dict kernel_info(int head_dim_padded, int variant, bool k_thread_groups, bool biased, bool pv16, bool rope_q) {
+py::dict kernel_info(int head_dim_padded, int ctas_per_sm, bool k_thread_groups, bool biased, bool pv16) {
   int regs = 0, local = 0, smem = 0, threads = 0;
-  if (!sage_sm90::kernel_info(head_dim_padded, variant, k_thread_groups, biased, pv16, rope_q, &regs, &local, &smem,
+  if (!sage_sm90::kernel_info(head_dim_padded, ctas_per_sm, k_thread_groups, biased, pv16, &regs, &local, &smem,
                               &threads))
-    throw std::invalid_argument("sm90: no kernel for this head dim and variant (or no CUDA device)");
+    throw std::invalid_argument("sm90: no such instantiation built (or no CUDA device)");
   py::dict d;
   d["registers"] = regs;
   d["local_bytes"] = local;
@@ -114,15 +97,18 @@ PYBIND11_MODULE(_sm90, m) {
   m.def("attention", &attention, py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
         py::arg("v_scale"), py::arg("v_mean"), py::arg("kv_lens"), py::arg("out"), py::arg("lse"),
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
-        py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("variant") = 0,
+        py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("ctas_per_sm"),
         py::arg("k_thread_groups") = false, py::arg("delta_s") = py::none(), py::arg("q_group") = 1,
-        py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false,
-        py::arg("xq") = py::none(), py::arg("xq_fp16") = false, py::arg("rope") = py::none(),
-        py::arg("rope_dtype") = 0, py::arg("rope_same_halves") = false, py::arg("q_out_scale") = 1.0f);
-  m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("variant") = 0,
-        py::arg("k_thread_groups") = false, py::arg("biased") = false, py::arg("pv16") = false,
-        py::arg("rope_q") = false);
-  m.attr("VARIANTS") = py::make_tuple("warp_specialized", "one_warpgroup", "one_warpgroup_3ctas", "one_warpgroup_4ctas");
+        py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false);
+  m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("ctas_per_sm"),
+        py::arg("k_thread_groups") = false, py::arg("biased") = false, py::arg("pv16") = false);
+  // The built instantiations (params.h's InstanceKey): (head_dim, ctas_per_sm, maps, thread_k, pairs, bias, pv16).
+  py::list keys;
+  for (int i = 0; i < sage_sm90::instance_count(); ++i) {
+    const sage_sm90::InstanceKey k = sage_sm90::instance_key(i);
+    keys.append(py::make_tuple(k.head_dim, k.ctas_per_sm, k.maps, k.thread_k, k.pairs, k.bias, k.pv16));
+  }
+  m.attr("INSTANTIATIONS") = py::tuple(keys);
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;
 }

@@ -1,31 +1,18 @@
-// sage.quantized_attention on Hopper (sm_90a): INT8 wgmma for QKᵀ, FP8 (e4m3) wgmma for PV, fp32 two-level
-// accumulation, online softmax in base 2 — the function of sage_compile/spec.py's
-// quantized_attention_reference with block_n = 128, computed in the order of the Triton kernel
-// (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the same
-// 448 folded into the exponent.
+// The sm90 attention kernel: sage.quantized_attention on Hopper (sm_90a) — INT8 wgmma for QKᵀ, FP8 (e4m3) or FP16
+// wgmma for PV, fp32 two-level accumulation, online softmax in base 2. Its parts: ptx.cuh (PTX wrappers), wgmma.cuh
+// (the products), smem.cuh (layout, swizzle, KeyOrder), copy.cuh (K / Vᵀ / δK copies), softmax.cuh, epilogue.cuh.
 //
-// Launch shapes of that one function (the `variant` of launch(); the Python side picks 2 at both head dims):
-// * v1, v2 (attention_kernel_1wg): one warpgroup per CTA, 64 query rows, two (v1) or three (v2) CTAs per
-//   SM — one thread issues each block's tensor-map copies (TMA) into a multistage ring on per-stage
-//   mbarriers (cp.async by every thread where the strides do not allow a map); the resident CTAs overlap
-//   each other's softmax and wgmmas. The Triton kernel's shape.
-// * v0 (attention_kernel): 128 query rows per CTA, 384 threads — a producer warpgroup (setmaxnreg 56)
-//   copies K, Vᵀ and δK of each 128-key block into a shared-memory ring (4 stages at D=128, 6 at D=64)
-//   with cp.async, completing on per-stage mbarriers (cp.async.mbarrier.arrive.noinc; a second mbarrier
-//   per stage says both consumers are done with it); two consumer warpgroups (setmaxnreg 224) of 64 rows
-//   share those tiles and take turns, through two named barriers, to issue their wgmmas (FlashAttention-3's
-//   ping-pong): iteration j issues T_{j−1} = P̂_{j−1}·V̂_{j−1} and S_j = Q·K_jᵀ back to back, folds T into
-//   O while S_j is still running, then runs the softmax of block j while the other warpgroup's products
-//   occupy the tensor cores.
-// Score biases (ΔS, attn_mask): v1/v2 only, in the kBias instantiations (attention_bias.cu): every key block
-// takes the masked path and adds them after δQ·δK (softmax_scores, add_bias).
-// Q's rotary + per-token quantization in the prologue (Params::xq; opt-in, sage.rope_q_attention): v1-v3, e4m3 PV,
-// no biases, in the kRopeQ instantiations (attention_rope_q.cu; rope_quantize_q).
-// FP16 PV (pv = fp16, the spec's accurate option): v1/v2 only, in the kPV16 instantiations (attention_pv16.cu).
-// P̂ = fp16(P448) and V̂ fp16, eight k16 steps per block; the fp16 A fragment is the accumulator's own layout,
-// so K rows stay in natural order (KeyOrder<true>) and Vᵀ sits in two 64-key tiles of 128-byte rows per stage.
-// A stage is 1.5× an e4m3 one: D=128 runs two CTAs per SM (two stages), D=64 two or three.
-// Measured speeds and what was tried: docs/notes.md, docs/results/README.md.
+// The function is sage_compile/spec.py's quantized_attention_reference with block_n = 128, computed in the order of
+// the Triton kernel (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the
+// same 448 folded into the exponent. One warpgroup per CTA (64 query rows, 128 threads), two to four CTAs per SM
+// (sage_compile/kernels/sm90.py's heuristics pick; the resident CTAs overlap each other's softmax and wgmmas).
+// Thread 0 issues each block's tensor-map copies (TMA) into a multistage ring on per-stage mbarriers; where the
+// strides allow no map, every thread copies its share by cp.async.
+// Score biases (ΔS, attn_mask): the kBias instantiations — every key block takes the masked path and adds them after
+// δQ·δK (softmax_scores, add_bias).
+// FP16 PV (pv = fp16): the kPV16 instantiations. P̂ = fp16(P448) and V̂ fp16, eight k16 steps per block; the fp16 A
+// fragment is the accumulator's own layout, so K rows stay in natural order (KeyOrder<true>) and Vᵀ sits in two
+// 64-key tiles of 128-byte rows per stage. A stage is 1.5× an e4m3 one: D=128 runs two CTAs per SM (two stages).
 //
 // The P operand of the PV product comes from registers with no shuffles: the fp32 accumulator of
 // QKᵀ holds, per thread, columns {8i + 2t, 8i + 2t + 1} while the e4m3 A fragment of a k32 step wants
@@ -34,8 +21,7 @@
 // (i < 8) hold keys 16i + 4t + {0,1} and {2,3}, and the registers of P are already in the A layout; V
 // stays in natural key order. The copies express the permutation directly: cp.async places each 16-byte
 // row chunk where we ask, and a tensor-map copy (TMA) writes each half a of a block as one 5-D box (key =
-// 4·quad + r, r ∈ {2a, 2a+1}: rows 2·quad + r − 2a of the half). (The earlier permutation within 16-key
-// groups was 2-4% faster on the cp.async path, for reasons not found; it cannot be written by a box.)
+// 4·quad + r, r ∈ {2a, 2a+1}: rows 2·quad + r − 2a of the half).
 //
 // Scores: the int32 dot becomes fp32 without I2F (x + 0x4B400000 reinterpreted is 1.5·2^23 + x exactly,
 // |x| < 2^22) and is scaled in the same FMA, u = x·δK[col] (exact fold, see softmax_scores), S = u·δQ[row] (base-2 units), m' = max(m, max_j S),
@@ -43,740 +29,28 @@
 // l = l·α + ΣP448, O32 = O32·α + (P̂·V̂ in a fresh accumulator), out = O32/l·δV (+ μV).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <type_traits>
 
+#include "copy.cuh"
+#include "epilogue.cuh"
 #include "params.h"
+#include "ptx.cuh"
+#include "smem.cuh"
+#include "softmax.cuh"
 #include "wgmma.cuh"
 
 namespace sage_sm90 {
 
-constexpr int kBlockM = 128;  // query rows per CTA (two warpgroups × 64)
-#ifdef SAGE_SASS_HOT_PATH
-constexpr bool kHotPathOnly = true;  // only the unmasked, in-range path (tools/sass_loop.py counts it)
-#else
-constexpr bool kHotPathOnly = false;
-#endif
-constexpr int kBlockN = 128;  // keys per pipeline stage (the oracle's block_n)
-constexpr float kLog2_448 = 8.807354922057604f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-template <int D>
-struct SmemLayout {
-  static constexpr int kStages = D == 128 ? 4 : 6;
-  static constexpr int kQBytes = kBlockM * D;
-  static constexpr int kKBytes = kBlockN * D;
-  static constexpr int kVBytes = D * kBlockN;
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + kQBytes;
-  static constexpr int kV = kK + kStages * kKBytes;
-  static constexpr int kKScale = kV + kStages * kVBytes;
-  static constexpr int kBarriers = kKScale + kStages * kBlockN * 4;
-  static constexpr int kBytes = kBarriers + 2 * kStages * 8;
-  static constexpr int kDynamic = kBytes + 1024;  // room to align the base to 1024 (128-byte swizzle)
-};
-
-// ---------------------------------------------------------------------------------------------------
-// PTX helpers
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// The mbarrier counts this thread's arrival once all its earlier cp.async copies have landed.
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// The same wait for a thread with nothing else to do (the producer): each failed try suspends the warp up to
-// ~`ns` nanoseconds instead of spinning, so it takes fewer issue slots from the consumer warps.
-__device__ __forceinline__ void mbarrier_wait_sleeping(uint32_t bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity), "r"(2000)
-      : "memory");
-}
-
-// Tensor-map copies (TMA): one thread issues, the bytes complete on an mbarrier that expects them.
-__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
-                                            int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2,
-                                            int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// Shared memory written through the generic proxy (cp.async), read next by wgmma (async proxy).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
-
-// Keeps the compiler from touching accumulator registers across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Four fp32 → four e4m3 bytes (x0 in the lowest byte), round to nearest even, saturating at ±448.
-__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-
-// wgmma shared-memory descriptor of a K-major tile with rows of `row_bytes` (64 or 128) bytes, swizzled
-// at that width (the layout our cp.async writes): stride between 8-row groups = 8 rows.
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr, int row_bytes) {
-  uint64_t desc = (addr & 0x3FFFF) >> 4;
-  desc |= uint64_t(1) << 16;                          // leading byte offset: unused when swizzled
-  desc |= uint64_t((8 * row_bytes) >> 4) << 32;       // stride byte offset
-  desc |= uint64_t(row_bytes == 128 ? 1 : 2) << 62;   // 128-byte or 64-byte swizzle
-  return desc;
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `RowBytes`-byte rows, swizzled the
-// way wgmma reads it (128B: chunk ^ row%8; 64B: chunk ^ (row/2)%4). Tile bases are 1024-aligned.
-template <int RowBytes>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  const int x = RowBytes == 128 ? (row & 7) : ((row >> 1) & 3);
-  return row * RowBytes + ((chunk ^ x) << 4);
-}
-
-// Where the keys of a block sit among the S columns, which decides the shared-memory row of each K row.
-// Permuted (kNatural = false; the e4m3 P operand, k32 steps): key 16G + 4t + 2a + b goes to row
-// 64a + 8G + 2t + b, so S column c = 8i + 2t + e of the accumulator holds key key_of_column(i, t, e) =
-// 16(i mod 8) + 4t + 2(i div 8) + e. Natural (kNatural = true; the fp16 P operand, k16 steps, whose A fragment is
-// the accumulator's own layout): column c holds key c.
-// A thread's 32 keys of one row come in kRuns runs of kRunKeys consecutive keys (run r from key run_start(r, t));
-// acc_index(r, c, hr) is the accumulator index of key c of run r in the thread's row hr (index 4i + 2hr + e ↔
-// row g + 8hr, column 8i + 2t + e).
-template <bool kNatural>
-struct KeyOrder {
-  static constexpr int kRuns = kNatural ? 16 : 8, kRunKeys = kNatural ? 2 : 4, kRunStride = kNatural ? 8 : 16;
-  __device__ static __forceinline__ int k_row_of_key(int n) {
-    return kNatural ? n : 64 * ((n >> 1) & 1) + 8 * (n >> 4) + 2 * ((n >> 2) & 3) + (n & 1);
-  }
-  __device__ static __forceinline__ int key_of_column(int i, int t, int e) {
-    return kNatural ? 8 * i + 2 * t + e : 16 * (i & 7) + 4 * t + 2 * (i >> 3) + e;
-  }
-  __device__ static __forceinline__ int run_start(int r, int t) { return kRunStride * r + kRunKeys * t; }
-  __device__ static __forceinline__ int acc_index(int r, int c, int hr) {
-    return kNatural ? 4 * r + 2 * hr + c : 4 * (r + 8 * (c >> 1)) + 2 * hr + (c & 1);
-  }
-  using RunFloats = std::conditional_t<kNatural, float2, float4>;  // one run of fp32 values: one vector load
-  __device__ static __forceinline__ void unpack(const RunFloats& f, float* out) {
-    out[0] = f.x, out[1] = f.y;
-    if constexpr (!kNatural) out[2] = f.z, out[3] = f.w;
-  }
-};
-using PermutedKeys = KeyOrder<false>;
-
-// ---------------------------------------------------------------------------------------------------
-// Kernel
-// ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
-constexpr int kConsumerThreads = 256;  // two consumer warpgroups
-// The CTA launches with 168 registers per thread (65536 / 384, rounded down to 8): 128·56 + 256·224 =
-// 384·168 exactly. setmaxnreg.inc waits until the pool can cover it, so a larger sum deadlocks.
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 384 * 168, "register pool");
-constexpr int kTurnBarrier = 1;  // named barriers 1, 2: the consumer warpgroups' turns to issue wgmma
-
-// Tree reductions over one row's 32 values of this thread (depth 5 instead of a 32-long dependent chain:
-// a lone warp per scheduler runs the softmax, so latency, not issue, bounds it).
-template <typename Op>
-__device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, Op op) {
-  float v[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = op(v[i], v[i + 8]);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) v[i] = op(v[i], v[i + 2]);
-  return op(v[0], v[1]);
-}
-struct MaxOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct SumOp {
-  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
-};
-
-// A score bias (ΔS or attn_mask, params.h) at this thread's two query rows. The thread's keys of a block come in
-// runs of consecutive keys (KeyOrder): where the host found the rows aligned (vec) and the block lies inside Nk,
-// a row's 32 values are one vector load per run (4 keys: 16 B fp32 or 4 B bool; natural order, 2 keys: 8 B or
-// 2 B), issued back to back, else one guarded load per key. A bool entry becomes 0 (attend) or −inf, so every
-// bias is one fp32 add. `uniform`: both rows read the same values (a mask broadcast over queries; ΔS with
-// q_group a multiple of the CTA's 64 rows), loaded once.
-struct BiasRows {
-  const uint8_t* row[2];  // null: no such bias, or a row past Nq
-  int64_t key_stride;     // bytes
-  bool is_bool, vec, uniform;
-};
-struct ScoreBias {
-  BiasRows delta_s, mask;
-};
-
-__device__ __forceinline__ BiasRows bias_rows(const void* base, int elem_bytes, bool is_bool, bool vec, bool uniform,
-                                              int64_t sb, int64_t sh, int64_t sr, int64_t sk, int row_div, int b,
-                                              int h, const int (&row)[2], int nq) {
-  BiasRows r;
-  r.key_stride = sk * elem_bytes;
-  r.is_bool = is_bool;
-  r.vec = vec;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr)
-    r.row[hr] = base != nullptr && row[hr] < nq
-                    ? static_cast<const uint8_t*>(base) + (b * sb + h * sh + (row[hr] / row_div) * sr) * elem_bytes
-                    : nullptr;
-  r.uniform = uniform || r.row[1] == nullptr;  // row 1 past Nq: its scores are never stored
-  return r;
-}
-
-__device__ __forceinline__ ScoreBias score_bias(const Params& p, int b, int h, const int (&row)[2]) {
-  ScoreBias s;
-  s.delta_s = bias_rows(p.delta_s, 4, false, p.ds_vec, p.q_group % 64 == 0, p.ds_sb, p.ds_sh, p.ds_sr, p.ds_sk,
-                        p.q_group, b, h, row, p.nq);
-  s.mask = bias_rows(p.mask, p.mask_bool ? 1 : 4, p.mask_bool, p.mask_vec, p.mask_sr == 0, p.mask_sb, p.mask_sh,
-                     p.mask_sr, p.mask_sk, 1, b, h, row, p.nq);
-  return s;
-}
-
-// The 32 bias values of one row in block k0 (value kRunKeys·r + c: key k0 + run_start(r, t) + c); keys ≥ nk read
-// as 0 (the caller masks them).
-template <typename Order>
-__device__ __forceinline__ void bias_values(const BiasRows& bias, const uint8_t* r, int k0, int t, int nk,
-                                            float (&add)[32]) {
-  constexpr int kRuns = Order::kRuns, kRunKeys = Order::kRunKeys;
-  if (bias.vec && k0 + 128 <= nk) {
-    if (bias.is_bool) {
-      uint32_t keep[kRuns];  // all loads first, then the conversions
-#pragma unroll
-      for (int run = 0; run < kRuns; ++run) {
-        const uint8_t* at = r + k0 + Order::kRunStride * run + kRunKeys * t;  // run_start, as byte offsets
-        keep[run] = kRunKeys == 4 ? __ldg(reinterpret_cast<const unsigned int*>(at))
-                                  : __ldg(reinterpret_cast<const unsigned short*>(at));
-      }
-#pragma unroll
-      for (int run = 0; run < kRuns; ++run)
-#pragma unroll
-        for (int c = 0; c < kRunKeys; ++c) add[kRunKeys * run + c] = (keep[run] >> (8 * c)) & 0xff ? 0.f : -INFINITY;
-    } else {
-      using Run = typename Order::RunFloats;
-      Run f[kRuns];
-#pragma unroll
-      for (int run = 0; run < kRuns; ++run)
-        f[run] = __ldg(reinterpret_cast<const Run*>(r + 4 * static_cast<int64_t>(k0 + Order::run_start(run, t))));
-#pragma unroll
-      for (int run = 0; run < kRuns; ++run) Order::unpack(f[run], add + kRunKeys * run);
-    }
-    return;
-  }
-#pragma unroll
-  for (int run = 0; run < kRuns; ++run)
-#pragma unroll
-    for (int c = 0; c < kRunKeys; ++c) {
-      const int key = k0 + Order::run_start(run, t) + c;
-      float a = 0.f;
-      if (key < nk) {
-        const uint8_t* at = r + key * bias.key_stride;
-        a = bias.is_bool ? (__ldg(at) ? 0.f : -INFINITY) : __ldg(reinterpret_cast<const float*>(at));
-      }
-      add[kRunKeys * run + c] = a;
-    }
-}
-
-// sc (this thread's scores of block k0, accumulator order) += the bias.
-template <typename Order>
-__device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, int nk, float (&sc)[64]) {
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    if (hr == 1 && bias.uniform && bias.row[0] != nullptr) break;  // done below for both rows
-    const uint8_t* r = bias.row[hr];
-    if (r == nullptr) continue;
-    float add[32];
-    bias_values<Order>(bias, r, k0, t, nk, add);
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      if (rr != hr && !bias.uniform) continue;
-#pragma unroll
-      for (int run = 0; run < Order::kRuns; ++run)
-#pragma unroll
-        for (int c = 0; c < Order::kRunKeys; ++c) {
-          const int idx = Order::acc_index(run, c, rr);
-          sc[idx] = __fadd_rn(sc[idx], add[Order::kRunKeys * run + c]);
-        }
-    }
-  }
-}
-
-// One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
-// max/sum, α (for the O update) and the weights P448 = 448·P̃ in `sc` (same index as the accumulator).
-// kThreadK: δK is one value per thread group (spec's per_thread: the thread's 32 keys 16G + 4t + j share
-// it), so S = x·(δQ·δK) takes one scale per row and block, and the per-score ×δK disappears.
-// kBias (Masked only): S = u·δQ + ΔS, then the attn_mask (add_bias), then the causal / kv_lens masks.
-template <bool Masked, bool kThreadK, bool kBias = false, typename Order = PermutedKeys>
-__device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
-                                               const int (&row)[2], const float (&q_scale_in)[2], int n_valid,
-                                               int causal, int causal_offset, float (&m)[2], float (&l)[2],
-                                               float (&alpha)[2], float (&sc)[64], const ScoreBias* bias = nullptr,
-                                               int nk = 0, bool range_masked = true) {
-  static_assert(Masked || !kBias, "a biased block takes the masked path");
-  static_assert(!(kThreadK && Order::kRunKeys != 4), "per_thread δK groups follow the permuted key order");
-  float q_scale[2] = {q_scale_in[0], q_scale_in[1]};  // the factor from u to S (base-2 units)
-  if constexpr (kThreadK) {
-    const float ks = ks_s[4 * t];  // key 4t is in this thread's group
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) q_scale[hr] *= ks;
-#pragma unroll
-    for (int idx = 0; idx < 64; ++idx) sc[idx] = __int2float_rn(static_cast<int>(acc[idx]));  // u = x, exact
-  } else {
-  // u = x·δK[col], column ↔ key as Order says; one vector load of δK serves a run of the thread's keys (permuted:
-  // float4, keys 16G + 4t..4t+3 in columns i = G and G + 8; natural: float2, keys 8i + 2t, 8i + 2t + 1).
-  // The bits x + 0x4B400000 are the fp32 M + x (M = 1.5·2^23, |x| < 2^22), and u = (M + x)·δK − M·δK in
-  // one FMA: exact when M·δK is, which spec.prepare guarantees by giving δK at most 22 significant bits
-  // (spec.fma_friendly) — then this is the single rounding of x·δK, as if x were converted first.
-  constexpr int kRunKeys = Order::kRunKeys;
-#pragma unroll
-  for (int run = 0; run < Order::kRuns; ++run) {
-    float ksv[kRunKeys];
-    Order::unpack(*reinterpret_cast<const typename Order::RunFloats*>(ks_s + Order::run_start(run, t)), ksv);
-    float kbias[kRunKeys];
-#pragma unroll
-    for (int c = 0; c < kRunKeys; ++c) kbias[c] = -12582912.f * ksv[c];
-#pragma unroll
-    for (int a = 0; a < kRunKeys / 2; ++a)  // key c = 2a + e of the run
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int idx = Order::acc_index(run, 2 * a + e, hr);
-          const float mx = __int_as_float(static_cast<int>(acc[idx]) + 0x4B400000);
-          sc[idx] = fmaf(mx, ksv[2 * a + e], kbias[2 * a + e]);
-        }
-  }
-  }
-  if constexpr (kBias) {  // S = u·δQ, + ΔS, + attn_mask (spec order), both rows
-#pragma unroll
-    for (int idx = 0; idx < 64; ++idx) sc[idx] = __fmul_rn(sc[idx], q_scale[(idx >> 1) & 1]);
-    add_bias<Order>(bias->delta_s, k0, t, nk, sc);
-    add_bias<Order>(bias->mask, k0, t, nk, sc);
-  }
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    if constexpr (kBias) {  // scaled and biased above; now the causal / kv_lens masks where some key is hidden
-#pragma unroll
-      for (int i = 0; i < 16 && range_masked; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * i + 2 * hr + e;
-          const int key = k0 + Order::key_of_column(i, t, e);
-          const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
-          if (!ok) sc[idx] = -INFINITY;
-        }
-    } else if constexpr (Masked) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int idx = 4 * i + 2 * hr + e;
-          const int key = k0 + Order::key_of_column(i, t, e);
-          const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
-          sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
-        }
-    }
-    // Unmasked: every score finite and the scale > 0, so max_j S = scale·max_j u and S − m' is one FMA below.
-    // The scale is applied before the quad's max: with kThreadK each of the four threads has its own.
-    float mx = tree_reduce_row(sc, hr, MaxOp());
-    if constexpr (!Masked) mx *= q_scale[hr];
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    float m_new, m_safe;
-    if constexpr (!Masked) {
-      m_new = fmaxf(m[hr], mx);
-      m_safe = m_new;
-    } else {
-      m_new = fmaxf(m[hr], mx);
-      m_safe = m_new == -INFINITY ? 0.f : m_new;  // nothing visible yet: P̃ = 0, α = 0
-    }
-    alpha[hr] = exp2_approx(m[hr] - m_safe);
-    m[hr] = m_new;
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int idx = 4 * i + 2 * hr + e;
-        if constexpr (!Masked) {
-          sc[idx] = exp2_approx(fmaf(sc[idx], q_scale[hr], kLog2_448 - m_safe));
-        } else {
-          sc[idx] = exp2_approx(sc[idx] - (m_safe - kLog2_448));
-        }
-      }
-    l[hr] = l[hr] * alpha[hr] + tree_reduce_row(sc, hr, SumOp());
-  }
-}
-
-// P̂ = e4m3(P448), packed in the A layout of the PV product's four k32 steps: step kc's keys 32kc + 4t + j
-// (rows g, g + 8) and 32kc + 16 + 4t + j sit in columns i = G, G + 8 for G = 2kc, 2kc + 1.
-__device__ __forceinline__ void pack_weights(const float (&sc)[64], uint32_t (&pa)[4][4]) {
-#pragma unroll
-  for (int kc = 0; kc < 4; ++kc)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int lo = 4 * (2 * kc + half), hi = lo + 32;  // accumulator index of columns i and i + 8
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-        pa[kc][2 * half + hr] = pack_e4m3x4(sc[lo + 2 * hr], sc[lo + 2 * hr + 1], sc[hi + 2 * hr], sc[hi + 2 * hr + 1]);
-    }
-}
-
-// The P operand's registers: e4m3 for four k32 steps, or fp16 (pv = fp16) for eight k16 steps.
-template <bool kPV16>
-using PRegs = uint32_t[kPV16 ? 8 : 4][4];
-
-// P̂ = fp16(P448) (round to nearest even; P448 ≤ 448 needs no saturation), in the A layout of the PV product's
-// eight k16 steps, which is the accumulator's own with natural key order (KeyOrder<true>): step kc's registers
-// are rows g and g + 8 at keys 16kc + 2t + {0, 1} (accumulator columns i = 2kc) and 16kc + 8 + 2t + {0, 1}
-// (i = 2kc + 1), the lower key in the lower half.
-__device__ __forceinline__ void pack_weights_f16(const float (&sc)[64], uint32_t (&pa)[8][4]) {
-#pragma unroll
-  for (int kc = 0; kc < 8; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const __half2 h = __floats2half2_rn(sc[8 * kc + 2 * r], sc[8 * kc + 2 * r + 1]);
-      pa[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
-    }
-}
-
-// One row's normaliser and log-sum-exp (thread t == 0 writes the lse).
-__device__ __forceinline__ float row_normaliser(const Params& p, float l, float m, int row, int t, int b, int h,
-                                                bool& has_keys) {
-  float lsum = l;
-  lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
-  lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
-  has_keys = lsum > 0.f;
-  if (t == 0 && row < p.nq)
-    p.lse[b * p.lse_sb + h * p.lse_sh + row] = has_keys ? (m + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
-  return has_keys ? 1.f / lsum : 0.f;
-}
-
-// Epilogue of a consumer thread's two rows: out = O32 / l · δV (+ μV); lse = (m + log2(l / 448)) · ln 2.
-// The thread's head-dim elements come in adjacent pairs (d = 8i + 2t + {0, 1}). kPairs (bf16 out and
-// pairs_aligned: contiguous, unpadded, aligned): each pair is one δV (and μV) load and one bf16x2 store from
-// one row pointer per row. Otherwise (padding, strides, alignment, fp16/fp32 out) one element at a time,
-// the output type and the bounds checked per element: ~30 instructions and a dependent load each, ~2000 per
-// warp and tile at D=128 — most of the fixed cost per tile that ncu showed at short N (session 10: ~2500
-// instructions per warp per tile outside the key-block loop, at 2K and 16K keys). Two instantiations, not a
-// run-time branch: with both paths in one kernel the D=128 three-CTA per_thread kernel spilled O registers
-// inside its loop.
-template <int D, bool kPairs = false>
-__device__ __forceinline__ void store_output(const Params& p, const float (&o)[D / 2], const float (&m)[2],
-                                             const float (&l)[2], const int (&row)[2], int t, int b, int h,
-                                             int hk) {
-  const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
-  const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    bool has_keys;
-    const float inv = row_normaliser(p, l[hr], m[hr], row[hr], t, b, h, has_keys);
-    if (row[hr] >= p.nq) continue;
-    const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
-    if constexpr (kPairs) {  // bf16 out, pairs_aligned(p)
-      __nv_bfloat16* out_pairs = static_cast<__nv_bfloat16*>(p.out) + out_row + 2 * t;
-      const bool add_mean = vm_g != nullptr && has_keys;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        const float2 vs = __ldg(reinterpret_cast<const float2*>(vs_g + 8 * i + 2 * t));
-        float v0 = o[4 * i + 2 * hr] * inv * vs.x, v1 = o[4 * i + 2 * hr + 1] * inv * vs.y;
-        if (add_mean) {
-          const float2 vm = __ldg(reinterpret_cast<const float2*>(vm_g + 8 * i + 2 * t));
-          v0 += vm.x;
-          v1 += vm.y;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(out_pairs + 8 * i) = __floats2bfloat162_rn(v0, v1);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int d = 8 * i + 2 * t + e;
-          if (d >= p.head_dim) continue;
-          float val = o[4 * i + 2 * hr + e] * inv * __ldg(vs_g + d);
-          if (vm_g != nullptr && has_keys) val += __ldg(vm_g + d);
-          const int64_t at = out_row + d * p.o_sd;
-          if (p.out_dtype == kOutBF16) {
-            static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
-          } else if (p.out_dtype == kOutFP16) {
-            static_cast<__half*>(p.out)[at] = __float2half_rn(val);
-          } else {
-            static_cast<float*>(p.out)[at] = val;
-          }
-        }
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Pieces both launch shapes share
-// ---------------------------------------------------------------------------------------------------
-// What one CTA works on: (batch, query head, key head), its first query row, and the keys any of its
-// `rows` query rows can see (kv_lens, causal), as provably CTA-uniform values (wgmma loops run on them).
-struct CtaTile {
-  int b, h, hk, q0, n_valid, n_blocks;
-};
-
-__device__ __forceinline__ CtaTile cta_tile(const Params& p, int rows) {
-  CtaTile tile;
-  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
-  tile.b = blockIdx.y / p.hq;
-  tile.h = blockIdx.y % p.hq;
-  tile.hk = tile.h / (p.hq / p.hkv);
-  tile.q0 = q_block * rows;
-  int n_valid = p.nk;
-  if (p.kv_lens != nullptr) {
-    const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[tile.b]
-                                          : static_cast<const int32_t*>(p.kv_lens)[tile.b];
-    n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
-  }
-  int key_end = n_valid;  // keys [0, key_end) may be visible to some row of this CTA
-  if (p.causal) key_end = min(key_end, min(tile.q0 + rows, p.nq) + p.causal_offset);
-  key_end = max(key_end, 0);
-  tile.n_valid = __shfl_sync(0xffffffff, n_valid, 0);
-  tile.n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
-  return tile;
-}
-
-// The CTA's `rows` query rows into shared memory (rows past Nq zero-filled), `threads` threads helping.
-template <int D>
-__device__ __forceinline__ void load_q(uint32_t sQ, const Params& p, const CtaTile& tile, int rows, int tid,
-                                       int threads) {
-  constexpr int kChunks = D / 16;
-  const int8_t* q_g = p.q + tile.b * p.q_sb + tile.h * p.q_sh;
-  for (int idx = tid; idx < rows * kChunks; idx += threads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = tile.q0 + r < p.nq;
-    cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (tile.q0 + r) * p.q_sn + c * 16 : q_g, ok);
-  }
-}
-
-// Eight consecutive elements at `base` + `at` (elements of RopeDtype `dtype`) as fp32, exact: one 16-byte load (two
-// for fp32); the caller guarantees 16-byte alignment.
-__device__ __forceinline__ void load8_as_float(const void* base, int64_t at, int dtype, float (&f)[8]) {
-  if (dtype == kRopeFP32) {
-    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(base) + at);
-    const float4 a = __ldg(src), b = __ldg(src + 1);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-    return;
-  }
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + at));
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (dtype == kRopeBF16) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      f[2 * i] = x.x, f[2 * i + 1] = x.y;
-    }
-  }
-}
-
-// The int8 x̂ = rint(x·inv) of the spec (spec.quantize_symmetric: inv = 1/δ rounded, the product rounded once, round
-// half to even; |x| ≤ amax and δ ≥ amax/127, so |x̂| ≤ 127 with no clamp), as the bits of M + x̂ (M = 1.5·2^23: the
-// sum's ulp is 1, so the add is the rint, and its low byte is x̂'s byte). Two instructions; until session 22 the spec
-// divided (x/δ), which took an FMA, an error check and a rare exact pass.
-constexpr float kMagic = 12582912.f;  // 1.5·2^23
-__device__ __forceinline__ uint32_t quantized_bits(float x, float inv) {
-  return __float_as_uint(__fadd_rn(__fmul_rn(x, inv), kMagic));
-}
-
-// Four M + x̂ bit patterns → four int8 bytes (the first in the lowest byte).
-__device__ __forceinline__ uint32_t pack_low_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
-
-// The CTA's 64 query rows, rotated and quantized per token (Params' xq / rope; prep.rope_quantize_reference's
-// numbers exactly) into the swizzled int8 Q tile, and δ·q_out_scale of each row into q_scale_smem (0 past Nq).
-// Two threads per row: thread hh of row r takes the 8-column chunks j = 2c + hh of x₁ and x₂ (the pair reads
-// whole 32-byte sectors), whose int8 bytes are the two halves of 16-byte chunk c (x₁) and D/32 + c (x₂). Every
-// instruction here is an issue slot the other CTAs' loops do not get (the kernel is issue-bound; session 16), so:
-// the half tables (c₂ = c₁, s₂ = s₁) are read once; with 16-bit tables x·c is exact in fp32, so x₁c₁ − x₂s₁ is one
-// FMA on the exact x₂s₁ (the spec's rounding, fewer instructions); and the quantization is quantized_bits.
-template <int D>
-__device__ __forceinline__ void rope_quantize_q(uint32_t sQ, float* q_scale_smem, const Params& p, const CtaTile& tile,
-                                                int tid) {
-  constexpr int kHalf = D / 2, kChunks = kHalf / 16;  // per thread: kChunks chunks of 8 columns of each half
-  const int r = tid >> 1, hh = tid & 1, n = tile.q0 + r;
-  const bool in_range = n < p.nq, same_halves = p.rope_same_halves, exact_products = p.rope_dtype != kRopeFP32;
-  float r1[kChunks][8], r2[kChunks][8];
-  float amax = 0.f;
-  if (in_range) {
-    const int64_t x_at = tile.b * p.xq_sb + tile.h * p.xq_sh + n * p.xq_sn;
-    int64_t t_at[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) t_at[i] = tile.b * p.rope_sb[i] + tile.h * p.rope_sh[i] + n * p.rope_sn[i];
-    const int x_dtype = p.xq_fp16 ? kRopeFP16 : kRopeBF16;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = 8 * (2 * c + hh);
-      float x1[8], x2[8], c1[8], s1[8], c2[8], s2[8];
-      load8_as_float(p.xq, x_at + col, x_dtype, x1);
-      load8_as_float(p.xq, x_at + kHalf + col, x_dtype, x2);
-      load8_as_float(p.rope[0], t_at[0] + col, p.rope_dtype, c1);
-      load8_as_float(p.rope[1], t_at[1] + col, p.rope_dtype, s1);
-      if (!same_halves) {
-        load8_as_float(p.rope[2], t_at[2] + col, p.rope_dtype, c2);
-        load8_as_float(p.rope[3], t_at[3] + col, p.rope_dtype, s2);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float cc = same_halves ? c1[e] : c2[e], ss = same_halves ? s1[e] : s2[e];
-        if (exact_products) {
-          r1[c][e] = __fmaf_rn(x1[e], c1[e], -__fmul_rn(x2[e], s1[e]));
-          r2[c][e] = __fmaf_rn(x2[e], cc, __fmul_rn(x1[e], ss));
-        } else {
-          r1[c][e] = __fsub_rn(__fmul_rn(x1[e], c1[e]), __fmul_rn(x2[e], s1[e]));
-          r2[c][e] = __fadd_rn(__fmul_rn(x2[e], cc), __fmul_rn(x1[e], ss));
-        }
-        amax = fmaxf(amax, fmaxf(fabsf(r1[c][e]), fabsf(r2[c][e])));
-      }
-    }
-  }
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
-  // δ ≥ the smallest normal float, so 1/δ is finite (an all-zero row quantizes to 0)
-  float delta = fmaxf(__fdiv_rn(amax, 127.f), 1.17549435e-38f);
-  delta = __int_as_float((__float_as_int(delta) + 3) & -4);  // spec.fma_friendly
-  const float inv = __frcp_rn(delta);
-  uint32_t w[kChunks][4];  // per chunk: x₁'s eight bytes, then x₂'s
-  if (in_range) {
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float* a = &r1[c][4 * i];
-        const float* b = &r2[c][4 * i];
-        w[c][i] = pack_low_bytes(quantized_bits(a[0], inv), quantized_bits(a[1], inv), quantized_bits(a[2], inv),
-                                 quantized_bits(a[3], inv));
-        w[c][2 + i] = pack_low_bytes(quantized_bits(b[0], inv), quantized_bits(b[1], inv),
-                                     quantized_bits(b[2], inv), quantized_bits(b[3], inv));
-      }
-  }
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const uint32_t a1 = sQ + swizzled<D>(r, c) + 8 * hh, a2 = sQ + swizzled<D>(r, kHalf / 16 + c) + 8 * hh;
-    const uint32_t z = 0u;
-    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a1), "r"(in_range ? w[c][0] : z), "r"(in_range ? w[c][1] : z)
-                 : "memory");
-    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a2), "r"(in_range ? w[c][2] : z), "r"(in_range ? w[c][3] : z)
-                 : "memory");
-  }
-  if (hh == 0) q_scale_smem[r] = in_range ? __fmul_rn(delta, p.q_out_scale) : 0.f;
-}
-
 // This thread's two rows (g and g + 8 of its warp's 16, from the warpgroup's first row) and their δQ.
-// q_scale_smem (Q rotated in the prologue): the CTA's δQ in shared memory, row wg_row0 first.
 __device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile, int wg_row0, int warp, int g,
-                                            int (&row)[2], float (&q_scale)[2], const float* q_scale_smem = nullptr) {
+                                            int (&row)[2], float (&q_scale)[2]) {
   row[0] = wg_row0 + warp * 16 + g;
   row[1] = row[0] + 8;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (q_scale_smem != nullptr) {
-      q_scale[r] = q_scale_smem[row[r] - wg_row0];  // 0 past Nq
-    } else {
-      q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
-    }
-  }
+  for (int r = 0; r < 2; ++r) q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
 }
 
 // S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps, or eight k16), issued, not waited for.
@@ -790,7 +64,7 @@ __device__ __forceinline__ void issue_qk(uint32_t (&acc)[64], uint64_t desc_q, u
     wgmma_s8_m64n128k32_x2(acc, desc_q, desc_k);
   }
 }
-// kPV16: eight k16 steps of fp16 over the stage's two 64-key tiles of Vᵀ (SmemLayout1).
+// kPV16: eight k16 steps of fp16 over the stage's two 64-key tiles of Vᵀ (SmemLayout).
 template <int D, bool kPV16 = false>
 __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const PRegs<kPV16>& pa, uint64_t desc_v) {
   if constexpr (kPV16 && D == 128) {
@@ -804,342 +78,23 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const PRegs<kPV16>&
   }
 }
 
-// The softmax of key block k0 for rows from wg_row0 on, P̂ packed for the PV product: the masked path
-// only where a key is out of range or causally hidden for some row of the warpgroup — or, kBias, everywhere.
-template <bool kThreadK, bool kBias = false, bool kPV16 = false>
-__device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
-                                                 int k0, int wg_row0, int n_valid, const int (&row)[2],
-                                                 const float (&q_scale)[2], float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2], PRegs<kPV16>& pa,
-                                                 const ScoreBias* bias = nullptr) {
-  using Order = KeyOrder<kPV16>;
-#ifdef SAGE_SASS_HOT_PATH  // tools/sass_loop.py: compile only the unmasked, in-range path to count its instructions
-  constexpr bool masked = false;
-#else
-  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
-#endif
-  float sc[64];
-  if constexpr (kBias) {
-    softmax_scores<true, kThreadK, true, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
-                                                m, l, alpha, sc, bias, p.nk, masked);
-  } else if (masked) {
-    softmax_scores<true, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
-                                                 m, l, alpha, sc);
-  } else {
-    softmax_scores<false, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal,
-                                                  p.causal_offset, m, l, alpha, sc);
-  }
-  if constexpr (kPV16) {
-    pack_weights_f16(sc, pa);
-  } else {
-    pack_weights(sc, pa);
-  }
-}
-
-// Two-level accumulation: O = O·α + T, T a block's P̂·V̂ from a fresh accumulator.
-template <int N>
-__device__ __forceinline__ void fold_block(float (&o)[N], const float (&alpha)[2], float (&pv)[N]) {
-  fence_registers(pv);
-#pragma unroll
-  for (int i = 0; i < N; ++i) o[i] = o[i] * alpha[(i >> 1) & 1] + pv[i];
-}
-
-template <int D>
-__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint32_t base, int tid, int wg,
-                                        const CtaTile& tile) {
-  using L = SmemLayout<D>;
-  constexpr int kStages = L::kStages;
-  constexpr int kOut = D / 2;  // fp32 accumulator registers of O (m64nD) per thread
-  const uint32_t sQ = base + L::kQ, sK = base + L::kK, sV = base + L::kV;
-  const uint32_t sBar = base + L::kBarriers;
-  auto full_bar = [&](int s) { return sBar + 8 * s; };
-  auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
-  setmaxnreg_inc<kConsumerRegs>();
-  const int warp = (tid & 127) >> 5;
-  const int lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const float* k_scale_smem = reinterpret_cast<const float*>(smem + L::kKScale);
-
-  const int n_valid = tile.n_valid, n_blocks = tile.n_blocks;
-  const int wg_row0 = tile.q0 + wg * 64;
-  int row[2];
-  float q_scale[2];
-  thread_rows(p, tile, wg_row0, warp, g, row, q_scale);
-  const uint64_t desc_q = smem_descriptor(sQ + wg * 64 * D, D);
-
-  float o[kOut];
-#pragma unroll
-  for (int i = 0; i < kOut; ++i) o[i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY};
-  float l[2] = {0.f, 0.f};  // this thread's share of the row sums (reduced over the quad at the end)
-  float alpha[2] = {1.f, 1.f};
-  uint32_t pa[4][4];
-
-  // Every warpgroup walks all n_blocks of the CTA (a causal warpgroup whose rows see fewer keys masks
-  // them): the wgmmas then sit on no divergent path, and both warpgroups take the same number of turns.
-  auto issue_qk_block = [&](uint32_t (&acc)[64], int j) {
-    issue_qk<D>(acc, desc_q, smem_descriptor(sK + (j % kStages) * L::kKBytes, D));
-  };
-  auto issue_pv_block = [&](float (&pv)[kOut], int j) {
-    issue_pv<D>(pv, pa, smem_descriptor(sV + (j % kStages) * L::kVBytes, 128));
-  };
-  auto accumulate = [&](float (&pv)[kOut], int j) {  // fold T into O, then release block j's stage
-    fold_block(o, alpha, pv);
-    mbarrier_arrive(empty_bar(j % kStages));
-  };
-  auto softmax = [&](uint32_t (&acc)[64], int j) {
-    fence_registers(acc);
-    softmax_block_at<false>(p, acc, k_scale_smem + (j % kStages) * kBlockN, t, j * kBlockN, wg_row0, n_valid, row,
-                            q_scale, m, l, alpha, pa);
-  };
-  const int my_turn = kTurnBarrier + wg, other_turn = kTurnBarrier + 1 - wg;
-
-  if (n_blocks > 0) {
-    if (wg == 1) named_barrier_arrive(kTurnBarrier + 0, kConsumerThreads);  // warpgroup 0 goes first
-    uint32_t acc[64];
-    mbarrier_wait(full_bar(0), 0);
-    named_barrier_sync(my_turn, kConsumerThreads);
-    wgmma_fence();
-    issue_qk_block(acc, 0);
-    wgmma_commit();
-    named_barrier_arrive(other_turn, kConsumerThreads);
-    wgmma_wait_all();
-    softmax(acc, 0);
-  }
-  for (int j = 1; j < n_blocks; ++j) {
-    uint32_t acc[64];
-    float pv[kOut];
-    mbarrier_wait(full_bar(j % kStages), (j / kStages) & 1);
-    named_barrier_sync(my_turn, kConsumerThreads);  // my turn: T_{j−1} and S_j back to back
-    wgmma_fence();
-    issue_pv_block(pv, j - 1);
-    wgmma_commit();
-    issue_qk_block(acc, j);
-    wgmma_commit();
-    named_barrier_arrive(other_turn, kConsumerThreads);
-    wgmma_wait<1>();  // T_{j−1} done: fold it into O while S_j is still in the tensor cores
-    accumulate(pv, j - 1);
-    wgmma_wait<0>();
-    softmax(acc, j);
-  }
-  if (n_blocks > 0) {
-    float pv[kOut];
-    named_barrier_sync(my_turn, kConsumerThreads);
-    wgmma_fence();
-    issue_pv_block(pv, n_blocks - 1);
-    wgmma_commit();
-    if (wg == 0) named_barrier_arrive(other_turn, kConsumerThreads);  // warpgroup 1 takes the last turn
-    wgmma_wait_all();
-    accumulate(pv, n_blocks - 1);
-  }
-
-  store_output<D>(p, o, m, l, row, t, tile.b, tile.h, tile.hk);
-}
-
-// The copies of one key block into a stage, issued by 128 threads: K rows in the key order the P operand needs
-// (KeyOrder: permuted for e4m3, natural for fp16), Vᵀ rows, δK. Vᵀ is [D][128 keys] of e4m3 — or, kPV16, two
-// tiles [D][64 keys] of fp16, so that every row is 128 bytes either way: the stage's 2D (fp16) or D rows of eight
-// chunks, row R holding keys 64·(R div D) .. of head-dim row R mod D. Each thread's chunks sit at fixed offsets
-// from the block's base (the row permutation and the swizzle repeat every 16 rows), so the offsets are computed
-// once; a block wholly inside Nk needs no bounds checks. (Recomputing them per block held v1 at 564 instead of
-// 678 TOPS on the H100.)
-template <int D, bool kPV16 = false>
-struct BlockCopier {
-  using Order = KeyOrder<kPV16>;
-  static constexpr int kVKeyBytes = kPV16 ? 2 : 1;          // bytes per key of Vᵀ
-  static constexpr int kChunks = D / 16;                    // 16-byte chunks per K row
-  static constexpr int kKRowsPerStep = 128 / kChunks;       // K rows (keys) covered by one pass of 128 threads
-  static constexpr int kKSmemStep = (kPV16 ? kKRowsPerStep : kKRowsPerStep / 2) * D;  // their smem advance
-  static constexpr int kKSteps = kBlockN * kChunks / 128;
-  static constexpr int kVRows = kPV16 ? 2 * D : D;          // 128-byte rows of Vᵀ per stage
-  static constexpr int kVSteps = kVRows / 16;               // 16 rows of 8 chunks per pass
-  uint32_t k_soff, v_soff;  // shared-memory byte offsets of this thread's first K and V chunk in a stage
-  int k_n0, k_goff, v_goff, v_c16, lane;
-
-  // k_row: K's row stride (bytes); v_row: Vᵀ's row stride in bytes.
-  __device__ __forceinline__ BlockCopier(int t, int k_row, int v_row) : lane(t) {
-    k_n0 = t / kChunks;
-    const int kc = t % kChunks;
-    k_soff = swizzled<D>(Order::k_row_of_key(k_n0), kc);
-    k_goff = k_n0 * k_row + kc * 16;
-    const int d0 = t >> 3, vc = t & 7;
-    v_soff = swizzled<128>(d0, vc);
-    v_goff = d0 * v_row + vc * 16;
-    v_c16 = vc * 16 / kVKeyBytes;  // first key of the thread's chunk within its row's 128 bytes
-  }
-
-  __device__ __forceinline__ void issue(const Params& p, int k0, uint32_t dK, uint32_t dV, uint32_t dKS,
-                                        const int8_t* k_g, const uint8_t* v_g, const float* ks_g, int k_row,
-                                        int v_row) const {
-    issue_k(p, k0, dK, dKS, k_g, ks_g, k_row);
-    issue_v(p, k0, dV, v_g, v_row);
-  }
-
-  // K rows and δK of the block at key k0.
-  __device__ __forceinline__ void issue_k(const Params& p, int k0, uint32_t dK, uint32_t dKS, const int8_t* k_g,
-                                          const float* ks_g, int k_row) const {
-    const int8_t* k_blk = k_g + k0 * p.k_sn;
-    if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range
-#pragma unroll
-      for (int i = 0; i < kKSteps; ++i)
-        cp_async_16(dK + k_soff + i * kKSmemStep, k_blk + k_goff + i * kKRowsPerStep * k_row, true);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kKSteps; ++i) {
-        const bool ok = k0 + k_n0 + i * kKRowsPerStep < p.nk;
-        cp_async_16(dK + k_soff + i * kKSmemStep, ok ? k_blk + k_goff + i * kKRowsPerStep * k_row : k_g, ok);
-      }
-    }
-    issue_k_scales(p, k0, dKS, ks_g);
-  }
-
-  __device__ __forceinline__ void issue_k_scales(const Params& p, int k0, uint32_t dKS, const float* ks_g) const {
-    if (lane < kBlockN) {
-      const bool ok = kHotPathOnly || k0 + lane < p.nk;
-      cp_async_4(dKS + lane * 4, ok ? ks_g + k0 + lane : ks_g, ok);
-    }
-  }
-
-  // Vᵀ rows of the block at key k0: pass i covers stage rows 16i + d0, i.e. head-dim row 16i + d0 − D·tile of
-  // tile (16i) div D (keys from 64·tile), with D a multiple of 16 so that the tile is fixed per pass.
-  __device__ __forceinline__ void issue_v(const Params& p, int k0, uint32_t dV, const uint8_t* v_g, int v_row) const {
-    const uint8_t* v_blk = v_g + k0 * kVKeyBytes;
-    if (kHotPathOnly || k0 + kBlockN <= p.nk) {  // whole block in range (then also within Nkp ≥ Nk)
-#pragma unroll
-      for (int i = 0; i < kVSteps; ++i) {
-        const int tile = 16 * i / D;
-        cp_async_16(dV + v_soff + i * 16 * 128, v_blk + v_goff + (16 * i - D * tile) * v_row + 128 * tile, true);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVSteps; ++i) {
-        const int tile = 16 * i / D;
-        const bool v_ok = k0 + 64 * tile + v_c16 < p.nkp;
-        cp_async_16(dV + v_soff + i * 16 * 128, v_ok ? v_blk + v_goff + (16 * i - D * tile) * v_row + 128 * tile : v_g,
-                    v_ok);
-      }
-    }
-  }
-};
-
-// Warp-specialized: warpgroup 2 produces (cp.async of K, Vᵀ, δK into the stages), warpgroups 0 and 1
-// consume, taking turns to issue their wgmmas (named barriers, FlashAttention-3's ping-pong) so that one
-// warpgroup's softmax runs while the other's matrix products occupy the tensor cores. Iteration j of a
-// consumer issues S_j = Q·K_jᵀ and the previous block's T = P̂_{j−1}·V̂_{j−1} together, then
-// O = O·α_{j−1} + T (two-level accumulation) and the softmax of block j.
-template <int D>
-__global__ void __launch_bounds__(kConsumerThreads + 128, 1) attention_kernel(const __grid_constant__ Params p) {
-  using L = SmemLayout<D>;
-  constexpr int kStages = L::kStages;
-  constexpr int kAllThreads = kConsumerThreads + 128;
-
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t base = (raw + 1023) & ~1023u;
-  uint8_t* smem = smem_raw + (base - raw);
-  const uint32_t sQ = base + L::kQ, sK = base + L::kK, sV = base + L::kV, sKS = base + L::kKScale;
-  const uint32_t sBar = base + L::kBarriers;
-  auto full_bar = [&](int s) { return sBar + 8 * s; };
-  auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
-
-  const int tid = threadIdx.x;
-  const int wg = __shfl_sync(0xffffffff, tid >> 7, 0);  // provably warp-uniform: wgmma needs convergence
-  const CtaTile tile = cta_tile(p, kBlockM);
-  const int b = tile.b, hk = tile.hk, n_blocks = tile.n_blocks;
-
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full_bar(s), 128);                // the producer warpgroup's cp.async arrivals
-      mbarrier_init(empty_bar(s), kConsumerThreads);  // every consumer thread is done with the stage
-    }
-  }
-  load_q<D>(sQ, p, tile, kBlockM, tid, kAllThreads);  // every thread helps
-  cp_async_wait_all();
-  fence_proxy_async();
-  __syncthreads();
-
-  if (wg == 2) {
-    // ---------------- producer: K rows permuted (k_row_of_key), Vᵀ rows [D][128 keys], δK ----------------
-    setmaxnreg_dec<kProducerRegs>();
-    const int pt = tid - kConsumerThreads;
-    const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
-    const uint8_t* v_g = p.v + b * p.v_sb + hk * p.v_sh;
-    const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
-    const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd);
-    const BlockCopier<D> copier(pt, k_row, v_row);
-    for (int j = 0; j < n_blocks; ++j) {
-      const int s = j % kStages;
-      if (j >= kStages) mbarrier_wait_sleeping(empty_bar(s), ((j / kStages) - 1) & 1);
-      const int k0 = j * kBlockN;
-      const uint32_t dK = sK + s * L::kKBytes, dV = sV + s * L::kVBytes, dKS = sKS + s * kBlockN * 4;
-      copier.issue(p, k0, dK, dV, dKS, k_g, v_g, ks_g, k_row, v_row);  // 32-bit in-block offsets: sm90.py checks
-      cp_async_arrive(full_bar(s));
-    }
-    cp_async_wait_all();
-  } else {
-    consume<D>(p, smem, base, tid, wg, tile);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Variants 1 and 2: one warpgroup per CTA (64 query rows, 128 threads), two or three CTAs per SM — the
-// Triton kernel's shape: no producer, no ping-pong; the resident CTAs overlap each other's softmax and
-// wgmmas. Thread 0 issues the next block's tensor-map copies (K, Vᵀ, δK) on the stage's mbarrier, with no
-// block-wide barrier in the loop; where the maps cannot be made, every thread issues its share of cp.async
-// instead (commit groups, wait_group, one barrier per block). Same numerics as the warp-specialized kernel. Three CTAs
-// per SM cap registers at 168 (D=64 fits; D=128 spills a few O registers) and leave room for two stages
-// at D=128. FlashAttention-3's intra-warpgroup overlap was tried on this shape and lost (notes).
-// ---------------------------------------------------------------------------------------------------
-constexpr int kBlockM1 = 64;
-
-// kPV16: Vᵀ in fp16, two tiles [D][64 keys] per stage (BlockCopier), twice the bytes. kRopeQ: δQ of the 64 rows,
-// computed by the prologue (rope_quantize_q), after the barriers.
-template <int D, int Stages = 3, bool kPV16 = false, bool kRopeQ = false>
-struct SmemLayout1 {
-  static constexpr int kStages = Stages;
-  static constexpr int kQBytes = kBlockM1 * D;
-  static constexpr int kKBytes = kBlockN * D;
-  static constexpr int kVBytes = D * kBlockN * (kPV16 ? 2 : 1);
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + kQBytes;
-  static constexpr int kV = kK + kStages * kKBytes;
-  static constexpr int kKScale = kV + kStages * kVBytes;
-  // Per stage (tensor maps only): "its bytes landed" (full) and "all four warps are done with it" (empty).
-  static constexpr int kFull = kKScale + kStages * kBlockN * 4;
-  static constexpr int kEmpty = kFull + kStages * 8;
-  static constexpr int kQScale = kEmpty + kStages * 8;
-  static constexpr int kBytes = kQScale + (kRopeQ ? kBlockM1 * 4 : 0);
-  static constexpr int kDynamic = kBytes + 1024;
-};
-
-// Pipeline stages of the one-warpgroup kernel: as many as fit beside the other resident CTAs (228 KB; four
-// CTAs per SM at D=64: 4 × (55856 + 1024 reserved) bytes). fp16 Vᵀ doubles a stage's V bytes: D=128 fits two
-// CTAs per SM with two stages, not three CTAs (0: no such kernel).
-template <int D, int CtasPerSm, bool kPV16 = false>
-__host__ __device__ constexpr int Stages1() {
-  if constexpr (kPV16) return D == 128 ? (CtasPerSm == 2 ? 2 : 0) : (CtasPerSm == 2 ? 3 : 2);
-  return CtasPerSm == 2 ? 3 : (D == 128 ? 2 : 3);
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
+// One warpgroup per CTA (64 query rows, 128 threads), CtasPerSm CTAs per SM: no producer warps, no ping-pong; the
+// resident CTAs overlap each other's softmax and wgmmas. Three CTAs per SM cap registers at 168 (D=64 fits; D=128
+// spills a few O registers) and leave room for two stages at D=128. FlashAttention-3's intra-warpgroup overlap
+// was tried on this shape and lost.
 // kMaps: copies by tensor map (launch() picks this instantiation when p.tma), else by cp.async — separate
 // instantiations, so that neither carries the other's state through the loop. kThreadK: one δK per thread
 // group (p.k_thread_groups; built with tensor maps only — elsewhere the per-key path reads the same values).
-// kBias: ΔS and/or an attn_mask (every block on the masked path; instantiated in attention_bias.cu).
+// kPairs: the bf16 pair epilogue (pairs_aligned). kBias: ΔS and/or an attn_mask (every block on the masked path).
 // kPV16: P̂ and V̂ in fp16 (pv = fp16): K rows in natural order (KeyOrder<true>), Vᵀ as two 64-key tiles per
 // stage, eight k16 steps per block; per_thread δK is not available (its groups follow the permuted order).
-// kRopeQ: Q is p.xq, rotated and quantized in the prologue (rope_quantize_q) while the first stages load.
-template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias = false, bool kPV16 = false,
-          bool kRopeQ = false>
-__global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __grid_constant__ Params p) {
+// launch.cuh's InstanceKey names an instantiation; instantiations.py generates the ones built.
+template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias, bool kPV16>
+__global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_constant__ Params p) {
   static_assert(!(kPV16 && kThreadK), "per_thread δK groups follow the e4m3 kernel's permuted key order");
-  static_assert(!(kRopeQ && (kPV16 || kBias)), "Q's rotary in the prologue: e4m3 PV, no score biases");
-  using L = SmemLayout1<D, Stages1<D, CtasPerSm, kPV16>(), kPV16, kRopeQ>;
+  using L = SmemLayout<D, pipeline_stages<D, CtasPerSm, kPV16>(), kPV16>;
   constexpr int kStages = L::kStages;
-  static_assert(kStages >= 2, "no such launch shape (Stages1)");
+  static_assert(kStages >= 2, "no such launch shape (pipeline_stages)");
   constexpr int kVKeyBytes = BlockCopier<D, kPV16>::kVKeyBytes;  // Vᵀ bytes per key
   constexpr int kOut = D / 2;
 
@@ -1152,21 +107,21 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const CtaTile tile = cta_tile(p, kBlockM1);
+  const CtaTile tile = cta_tile(p, kBlockM);
   const int b = tile.b, hk = tile.hk, q0 = tile.q0, n_valid = tile.n_valid, n_blocks = tile.n_blocks;
 
   const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
   const uint8_t* v_g = p.v + kVKeyBytes * b * p.v_sb + kVKeyBytes * hk * p.v_sh;
   const float* ks_g = p.k_scale + b * p.ks_sb + hk * p.ks_sh;
   const int k_row = static_cast<int>(p.k_sn), v_row = static_cast<int>(p.v_sd) * kVKeyBytes;
-  if constexpr (!kRopeQ) load_q<D>(sQ, p, tile, kBlockM1, tid, 128);
+  load_q<D>(sQ, p, tile, kBlockM, tid, 128);
   const BlockCopier<D, kPV16> copier(tid, k_row, v_row);
   // With tensor maps thread 0 issues every copy of a block — K's two permuted halves, Vᵀ and δK — on the
   // stage's full barrier; each warp's lane 0 arrives on the stage's empty barrier once its products of the
   // block have completed, and thread 0 waits for all four before refilling the stage. No block-wide barrier
   // in the loop. Without maps every thread copies its share by cp.async (commit groups, wait_group, one
   // __syncthreads per block).
-  constexpr bool by_map = kHotPathOnly || kMaps;
+  constexpr bool by_map = kMaps;
   const uint32_t sFull = base + L::kFull, sEmpty = base + L::kEmpty;
   if (by_map && tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -1185,17 +140,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     }
     const uint32_t full = sFull + 8 * s;
     if (j >= kStages) mbarrier_wait(sEmpty + 8 * s, (j / kStages - 1) & 1);
-    mbarrier_expect_tx(full, kBlockN * D + L::kVBytes + kBlockN * 4);
-    if constexpr (kPV16) {  // K in natural order: one box of 4 × 32 quads; Vᵀ: two 64-key fp16 boxes
-      tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
-      tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
-      tma_load_4d(dV + 128 * D, &p.v_map, full, k0 + 64, 0, hk, b);
-    } else {
-      tma_load_5d(dK, &p.k_map, full, 0, 0, k0 / 4, hk, b);
-      tma_load_5d(dK + 64 * D, &p.k_map, full, 0, 2, k0 / 4, hk, b);
-      tma_load_4d(dV, &p.v_map, full, k0, 0, hk, b);
-    }
-    tma_load_3d(dKS, &p.ks_map, full, k0, hk, b);
+    map_copy_block<D, kPV16>(p, k0, hk, b, dK, dV, dKS, full);
   };
   auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
   auto v_desc = [&](int j) { return smem_descriptor(sV + (j % kStages) * L::kVBytes, 128); };
@@ -1211,11 +156,6 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     if (j < n_blocks && (!by_map || tid == 0)) load_block(j);
     cp_async_commit();
   }
-  float* q_scale_smem = reinterpret_cast<float*>(smem + L::kQScale);
-  if constexpr (kRopeQ) {
-    rope_quantize_q<D>(sQ, q_scale_smem, p, tile, tid);  // while the first blocks load
-    if constexpr (!by_map) blocks_landed();  // Q's tile and δQ visible (the loop's barrier orders only the copies)
-  }
   if (by_map) {
     cp_async_wait<0>();
     blocks_landed();
@@ -1223,7 +163,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
 
   int row[2];
   float q_scale[2];
-  thread_rows(p, tile, q0, warp, g, row, q_scale, kRopeQ ? q_scale_smem : nullptr);
+  thread_rows(p, tile, q0, warp, g, row, q_scale);
   const uint64_t desc_q = smem_descriptor(sQ, D);
   ScoreBias bias;
   if constexpr (kBias) bias = score_bias(p, b, tile.h, row);
@@ -1251,7 +191,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel_1wg(const __g
     issue_qk<D>(acc, desc_q, k_desc(j));
     wgmma_commit();
     // Thread 0 refills block j − 1's stage while S_j runs: issued here, its copies do not hold back the
-    // warpgroup's collective wgmma (at the top of the loop they did: ncu "gmma" stalls, v1 D=64 −6%).
+    // warpgroup's collective wgmma (at the top of the loop they did: ncu "gmma" stalls, −6% at D=64, two CTAs per SM).
     if (by_map && tid == 0 && j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
     wgmma_wait<0>();
     fence_registers(acc);

@@ -8,7 +8,6 @@
 namespace sage_sm90 {
 
 enum OutDtype : int { kOutBF16 = 0, kOutFP16 = 1, kOutFP32 = 2 };
-enum RopeDtype : int { kRopeBF16 = 0, kRopeFP16 = 1, kRopeFP32 = 2 };
 
 struct Params {
   const int8_t* q;         // [B, Hq, Nq, Dp] int8, last dim contiguous, rows 16-byte aligned
@@ -48,40 +47,37 @@ struct Params {
   int64_t mask_sb, mask_sh, mask_sr, mask_sk;
   int mask_bool;
   int ds_vec, mask_vec;
-  // Tensor maps for the one-warpgroup kernel, filled by launch() where the strides allow (tma = 1): K (5-D:
-  // d, r, quad, head, batch — key = 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of
-  // the block's rows in natural order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK
-  // (3-D: key, head, batch).
-  // Q's rotary and quantization in the one-warpgroup kernel's prologue (xq non-null; launch_1wg_rope_q): instead of
-  // q / q_scale the CTA reads raw Q and the four rotary tables (sage_compile/prep.py's rope(x) = cat(x₁·c₁ − x₂·s₁,
-  // x₂·c₂ + x₁·s₂), no FMA), quantizes each row per token as prep's rope_quantize does (δ = fma_friendly(max(amax/127,
-  // tiny)), x̂ = rint(x·(1/δ)), spec.quantize_symmetric) into its Q tile, and keeps δ·q_out_scale per row in shared memory.
-  // Head dim unpadded (D = head_dim_padded); last dims contiguous; rows 16-byte aligned (sm90.py checks).
-  const void* xq;          // [B, Hq, Nq, D] bf16 (xq_fp16 = 0) or fp16
-  int64_t xq_sb, xq_sh, xq_sn;
-  int xq_fp16;
-  const void* rope[4];     // c₁, s₁, c₂, s₂, each broadcastable to [B, Hq, Nq, D/2] (element strides, 0 where broadcast)
-  int64_t rope_sb[4], rope_sh[4], rope_sn[4];
-  int rope_dtype;          // RopeDtype, the same for all four
-  int rope_same_halves;    // 1: c₂ is c₁ and s₂ is s₁ (the half-table form: two tables read, not four)
-  float q_out_scale;       // softmax scale · log2 e
+  // Tensor maps, filled by launch() where the strides allow (tma = 1): K (5-D: d, r, quad, head, batch — key =
+  // 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of the block's rows in natural
+  // order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK (3-D: key, head, batch).
   int tma;
   CUtensorMap k_map;  // 64-byte aligned by its type, as a kernel parameter must be
   CUtensorMap v_map;
   CUtensorMap ks_map;
 };
 
-// Launches on `stream` (a cudaStream_t as an integer). Returns "" or the CUDA error text.
-// variant 0: warp-specialized (producer + two ping-pong consumer warpgroups, 128 rows per CTA; no score
-// biases); variants 1, 2: one warpgroup per CTA (64 rows, two or three CTAs per SM). Same function (block_n 128).
-// pv16 runs on variant 1 at D=128 and on variants 1, 2 at D=64.
-const char* launch(const Params& p, int64_t stream, int variant);
+// Which compiled kernel runs (kernel.cuh's attention_kernel template arguments). launch() derives every field
+// but ctas_per_sm from the Params it is given — maps = p.tma (fill_tensor_maps); thread_k = p.k_thread_groups && maps
+// (the cp.async instantiation reads every key's δK, the same values); pairs = maps && pairs_aligned(p); bias = ΔS
+// or an attn_mask present; pv16 = p.pv16 — and looks the key up among the built instantiations (generated at build
+// time by csrc/sm90/instantiations.py: those sage_compile/kernels/sm90.py's heuristics pick).
+struct InstanceKey {
+  int head_dim;     // padded: 64 or 128
+  int ctas_per_sm;  // CTAs resident per SM (__launch_bounds__; sets the pipeline stages)
+  bool maps, thread_k, pairs, bias, pv16;
+};
 
-// Registers, static shared memory, local (spill) bytes and the dynamic shared memory of the kernel for
-// one padded head dim (thread_k: the per_thread δK instantiation; biased: the one that reads ΔS / attn_mask,
-// variants 1 and 2 only; pv16: the fp16-PV one; rope_q: the one that rotates Q in its prologue, variants 1-3); false
-// when there is no such kernel.
-bool kernel_info(int head_dim_padded, int variant, bool thread_k, bool biased, bool pv16, bool rope_q, int* regs,
+// Launches on `stream` (a cudaStream_t as an integer) the instantiation for p with `ctas_per_sm` CTAs per SM.
+// Returns "" or the error text (no such instantiation, or the CUDA error).
+const char* launch(const Params& p, int64_t stream, int ctas_per_sm);
+
+// Registers, local (spill) bytes, dynamic shared memory and threads of the tensor-map instantiation with the pair
+// epilogue for (head_dim_padded, ctas_per_sm, thread_k, biased, pv16); false when it is not built or no device.
+bool kernel_info(int head_dim_padded, int ctas_per_sm, bool thread_k, bool biased, bool pv16, int* regs,
                  int* local_bytes, int* dynamic_smem, int* max_threads);
+
+// The built instantiations' keys, in table order.
+int instance_count();
+InstanceKey instance_key(int index);
 
 }  // namespace sage_sm90
