@@ -98,9 +98,9 @@ def thread_group_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_k_thread_groups(k_scale: torch.Tensor) -> None:
-    """The promise of ``k_thread_groups=True``: δK is constant over every per_thread group."""
+    """The promise of per_thread K (``Scheme.k_thread_groups``): δK is constant over every per_thread group."""
     if not torch.equal(thread_group_max(k_scale), k_scale) or not torch.equal(-thread_group_max(-k_scale), k_scale):
-        raise ValueError("sage.quantized_attention: k_thread_groups=True but k_scale is not constant over each "
+        raise ValueError("sage.quantized_attention: k_granularity='per_thread' but k_scale is not constant over each "
                          "per_thread key group (spec.thread_group_max)")
 
 

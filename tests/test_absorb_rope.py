@@ -77,8 +77,7 @@ def spec_output(q32, k32, v, causal, out_dtype, quant=spec.Scheme()):
     """The spec on the fp32 rotary: spec.prepare + the reference kernel (what the fused path must equal)."""
     p = spec.prepare(q32, k32, v, q32.shape[-1] ** -0.5, quant)
     out, _ = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
-                                                None, p.q_group, causal, q32.shape[-1], out_dtype,
-                                                k_thread_groups=p.k_thread_groups)
+                                                None, None, causal, q32.shape[-1], out_dtype, p.scheme)
     return out
 
 
@@ -181,7 +180,7 @@ def test_casting_rotary_is_absorbed_skipping_its_rounding():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Interleaved rotaries and QK-norms (the producers of issue 4's item 2 beyond the half-split rotary)
+# Interleaved rotaries and QK-norms (the producers beyond the half-split rotary)
 # ---------------------------------------------------------------------------------------------------------------
 def rotate_every_two(x):
     """GPT-J's rotation of channel pairs: (x₀, x₁, x₂, x₃, ...) → (−x₁, x₀, −x₃, x₂, ...)."""
@@ -411,7 +410,7 @@ def test_inputs_the_fused_prep_does_not_take_use_the_rotated_q_k():
     qr, kr = (prep.rope_reference(x, halves).bfloat16() for x in (q, k))
     out, _ = compile_stage1(block_hf, q, k, v, cos, sin)
     assert counters["sage"]["rope_absorbed"] == 1 and counters["sage"]["fused_rope_prep"] == 0
-    assert torch.equal(out, torch.ops.sage.attention(qr, kr, v, causal=0, min_seq_len=0))
+    assert torch.equal(out, torch.ops.sage.attention(qr, kr, v, causal=0, config="min_seq_len=0"))
     out, graphs = compile_stage1(block_hf, q, k, v, cos, sin, min_seq_len=10**6)  # the site stays SDPA
     assert counters["sage"]["rope_absorbed"] == 0 and torch.ops.sage.rope_attention.default not in targets(graphs)
     assert torch.equal(out, block_hf(q, k, v, cos, sin))
@@ -436,39 +435,3 @@ def test_fast_path_reasons(reason_case):
     kv_lens = torch.ones(1, dtype=torch.int64) if reason_case == "kv_lens" else None
     assert prep.fast_path_reason(x, x, quant, kv_lens) is not None
     assert prep.fast_path_reason(torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 64), spec.Scheme(), None) is None
-
-
-@pytest.mark.parametrize("causal,k_granularity", [(False, "per_token"), (True, "per_thread")])
-def test_q_rotary_routed_to_the_kernel_prologue_falls_back_exactly(causal, k_granularity, monkeypatch):
-    """sage.rope_q_attention (Q's rotary and quantization left to the sm90 kernel's prologue), switched on with
-    SAGE_Q_PROLOGUE=1 on a CPU: the op finds no kernel that takes raw Q, says so (warning, counter), runs the
-    prep's Q step itself and gives the spec's output bit for bit."""
-    monkeypatch.setenv("SAGE_Q_PROLOGUE", "1")
-    n, d = 100, 64
-    g = torch.Generator().manual_seed(5)
-    xq, xk, v = (torch.randn(2, n, 2, d, generator=g).bfloat16() for _ in range(3))
-    cos, sin = (t[:, None, :] for t in tables(n, d, seed=5))
-    with pytest.warns(UserWarning, match="prologue: the sm90 kernel runs on CUDA"):
-        out, graphs = compile_stage1(block_half_tables, xq, xk, v, cos, sin, causal, k_granularity=k_granularity,
-                                 k_mean_sample=16)
-    assert counters["sage"]["q_rope_in_kernel"] == 1 and counters["sage"]["q_rope_outside_kernel"] == 1
-    q32 = prep.rope_reference(xq, [cos, sin, cos, sin]).transpose(1, 2)
-    k32 = prep.rope_reference(xk, [cos, sin, cos, sin]).transpose(1, 2)
-    quant = spec.Scheme(k_granularity=k_granularity, k_mean_sample=16)
-    assert torch.equal(out, spec_output(q32, k32, v.transpose(1, 2), int(causal), torch.bfloat16, quant))
-
-
-def test_q_prologue_reasons(monkeypatch):
-    """Where Q's step stays in the prep: by default (opt-in switch), fp16 PV, a mask, fp32 Q, mixed table dtypes."""
-    x = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
-    tabs = [torch.empty(8, 32)] * 4
-    quant = spec.Scheme()
-    assert "opt-in" in prep.q_prologue_reason(x, tabs, quant, None)
-    monkeypatch.setenv("SAGE_Q_PROLOGUE", "1")
-    assert "e4m3 PV" in prep.q_prologue_reason(x, tabs, spec.Scheme(pv="fp16"), None)
-    assert "attn_mask" in prep.q_prologue_reason(x, tabs, quant, torch.ones(1, 1, 8, 8, dtype=torch.bool))
-    assert "bf16 or fp16 Q" in prep.q_prologue_reason(x.float(), tabs, quant, None)
-    assert "one dtype" in prep.q_prologue_reason(x, [tabs[0], tabs[0].bfloat16()] * 2, quant, None)
-    assert prep.q_prologue_reason(x, tabs, quant, None) is None
-    monkeypatch.setenv("SAGE_Q_PROLOGUE", "0")
-    assert "opt-in" in prep.q_prologue_reason(x, tabs, quant, None)

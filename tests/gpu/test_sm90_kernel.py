@@ -274,17 +274,16 @@ def test_tensor_maps_and_cp_async_agree(scheme, d):
 
 
 @pytest.mark.parametrize("causal", [0, 2])
-def test_agrees_with_triton_kernel(causal, monkeypatch):
+def test_agrees_with_triton_kernel(causal):
     """Two implementations of one function (same block_n = 128): closer to each other than to the oracle's
     bound."""
     tk = dispatch._load("sage_compile.kernels.triton")
     if tk is None:
         pytest.skip("the Triton kernel is not importable")
-    monkeypatch.setenv("SAGE_TRITON_CONFIG", "64,128,4,3")  # block_n 128, as sm90
     args = make_case(2, 8, 2, 777, 900, 128, causal=causal, smooth_v=True, seed=3)
     out, lse = run_sm90(args)
     ref_out, ref_lse = poisoned_outputs(args)
-    kernels.run(tk, args, ref_out, ref_lse)
+    tk.launch(args, ref_out, ref_lse, config=tk.Config(64, 128, 4, 3))  # block_n 128, as sm90
     torch.cuda.synchronize()
     assert rel_l1(out, ref_out) < 1e-3 and cosine(out, ref_out) > 0.99999
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
