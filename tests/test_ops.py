@@ -149,7 +149,7 @@ def test_empty_sequences():
 
 
 def test_kv_lens_ignore_padded_keys():
-    """Keys past each batch's length change nothing (the contract issue 3's padding masks build on)."""
+    """Keys past each batch's length change nothing (the contract key-padding masks build on)."""
     q, k, v = random_qkv(2, 2, 2, 20, 48, 64, seed=6)
     kv_lens = torch.tensor([30, 48], dtype=torch.int32)
     out = torch.ops.sage.attention(q, k, v, kv_lens=kv_lens)
