@@ -285,7 +285,7 @@ def _short(column):
 
 
 def _table_config_text(tk, d, causal, long_n):
-    return tk._TABLE[(d, causal != 0, long_n)].text()
+    return tk.measured_config(d, causal != 0, long_n).text()
 
 
 def _fmt_row(r, sm90_cols=()):

@@ -62,6 +62,10 @@ class Config:
     def __str__(self):
         return f"M{self.block_m}-N{self.block_n}-w{self.num_warps}-s{self.num_stages}{'-tma' if self.tma else ''}"
 
+    def text(self) -> str:
+        """The form ``parse`` reads."""
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{',tma' if self.tma else ''}"
+
     @staticmethod
     def parse(text: str) -> "Config":
         """'128,64,8,3[,tma]' → Config (the kernel benchmark's sweep)."""
@@ -81,17 +85,19 @@ def heuristics(args: KernelArgs) -> Config:
     every size). 32 follows 64; 256 (not measured) uses BLOCK_N 64 to keep registers and shared memory in
     bounds.
     """
-    dp = args.q.shape[-1]
-    causal, long = args.causal != 0, args.k.shape[2] > 1024
-    if dp == 256:
-        cfg = Config(64, 64, 4, 2)
-    elif dp <= 64 and causal:
-        cfg = Config(128, 128, 4, 3) if long else Config(64, 64, 4, 3)
-    else:
-        cfg = Config(64, 128, 4, 3, tma=True)
+    cfg = measured_config(args.q.shape[-1], args.causal != 0, args.k.shape[2] > 1024)
     if cfg.tma and not _tma_ok(args):
         cfg = replace(cfg, tma=False)
     return _fit_shared_memory(cfg, args)
+
+
+def measured_config(padded_head_dim: int, causal: bool, long_keys: bool) -> Config:
+    """``heuristics``' choice before it is fitted to the inputs (TMA where allowed) and to the GPU's shared memory."""
+    if padded_head_dim == 256:
+        return Config(64, 64, 4, 2)
+    if padded_head_dim <= 64 and causal:
+        return Config(128, 128, 4, 3) if long_keys else Config(64, 64, 4, 3)
+    return Config(64, 128, 4, 3, tma=True)
 
 
 def _smem_estimate(cfg: Config, dp: int, v_bytes: int, ds_tile: bool, mask_bytes: int = 0) -> int:
