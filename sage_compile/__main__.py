@@ -8,35 +8,39 @@ import time
 
 
 def doctor(_args) -> int:
+    """What runs on this machine: the kernel families built, and the one each device's attention gets."""
     import torch
 
     from . import dispatch, spec
     from .kernels import KernelSite
     from .scheme import Scheme
 
-    print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
+    gpus = torch.cuda.device_count()
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}; "
+          + (f"{gpus} CUDA device(s)" if gpus else "no CUDA device: attention runs on the CPU kernel"))
     print("kernel preference: " + " > ".join(n.rsplit(".", 1)[-1] for n in dispatch.kernel_order())
-          + ("  (SAGE_KERNELS)" if os.environ.get("SAGE_KERNELS") else ""))
+          + ("  (set by SAGE_KERNELS)" if os.environ.get("SAGE_KERNELS") else ""))
     for name, module in dispatch.available_kernels():
         short = name.rsplit(".", 1)[-1]
-        status = "available" if module is not None else "not built / not importable"
-        if module is not None and hasattr(module, "kernel_info") and torch.cuda.is_available():
+        status = "built" if module is not None else dispatch.why_missing(name)
+        if module is not None and hasattr(module, "kernel_info") and gpus:
             try:
                 status += "; " + ", ".join(f"D{d}: {module.kernel_info(d)}" for d in module.HEAD_DIMS)
             except (RuntimeError, ValueError) as err:  # no usable device for it
                 status += f"; no kernel info ({err})"
-        print(f"kernel {short:10s} {status}")
-    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        print(f"  {short:10s} {status}")
+    devices = [torch.device("cpu")] + [torch.device("cuda", i) for i in range(gpus)]
     for device in devices:
         label = str(device)
         if device.type == "cuda":
             cap = torch.cuda.get_device_capability(device)
-            label += f" {torch.cuda.get_device_name(device)} sm{cap[0]}{cap[1]}"
+            label += f" ({torch.cuda.get_device_name(device)}, sm{cap[0]}{cap[1]})"
         for head_dim in (64, 128):
             for pv in spec.PV_DTYPES:  # fp8 (the default) and fp16 (SageConfig(pv="fp16"))
                 site = KernelSite(Scheme(pv=pv), device, torch.bfloat16, spec.padded_head_dim(head_dim))
                 kernel, reasons = dispatch.kernel_for_site(site)
-                print(f"{label}: head_dim {head_dim} bf16 pv={pv} → {kernel or 'SDPA (no sage kernel)'}  {reasons or ''}")
+                runs = f"the {kernel} kernel" if kernel else "SDPA (no sage kernel here)"
+                print(f"{label}: bf16, head dim {head_dim}, pv={pv} → {runs}")
     return 0
 
 
@@ -99,7 +103,9 @@ def bench(args) -> int:
 def main(argv=None) -> int:
     from .bench import BENCHMARKS
 
-    parser = argparse.ArgumentParser(prog="python -m sage_compile")
+    script = os.path.basename(sys.argv[0])  # the console script (sage-compile) or python -m sage_compile
+    prog = script if script.startswith("sage-compile") else "python -m sage_compile"
+    parser = argparse.ArgumentParser(prog=prog, description="sage_compile: 8-bit attention for torch.compile")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="which kernels are built and which one each device gets")
     d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")

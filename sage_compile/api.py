@@ -28,6 +28,7 @@ def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
         if "sage_config" in options:
             raise ValueError("pass the SageConfig either as config= or as options['sage_config'], not both")
         options["sage_config"] = config
+    SageConfig.from_options(options)  # bad keys and values fail here, not at the first call
     return torch.compile(model, backend=sage_backend, options=options or None, **compile_kwargs)
 
 

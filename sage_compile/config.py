@@ -95,7 +95,24 @@ class SageConfig:
         if not isinstance(base, SageConfig):
             raise TypeError(f"options['sage_config'] must be a SageConfig, got {type(base).__name__}")
         changes = {key: options.pop(key) for key in list(options) if key in OPTION_NAMES}
+        check_inductor_options(options)
         return base.replace(**changes), options
+
+
+def check_inductor_options(options: Mapping[str, Any]) -> None:
+    """The keys of ``options`` that are not sage's go to Inductor: each must be an Inductor config name (or
+    ``mode``), else the error names the key and the nearest valid name — before any tracing."""
+    import difflib
+
+    import torch._inductor.config as inductor_config
+
+    known = set(inductor_config.get_config_copy()) | {"mode"}
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(OPTION_NAMES) + sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"torch.compile(options=...): {key!r} is neither a sage_compile option nor an Inductor "
+                             f"config{hint} (sage options: {', '.join(OPTION_NAMES)})")
 
 
 OPTION_NAMES = tuple(f.name for f in fields(SageConfig) if f.name != "scheme") + SCHEME_FIELDS

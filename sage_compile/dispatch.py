@@ -12,13 +12,30 @@ from .kernels import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
 _warned: set = set()
 
 
+_import_errors: Dict[str, str] = {}
+
+
 @functools.lru_cache(maxsize=None)
 def _load(module_name: str):
-    """Import a kernel module; a module whose extension or compiler is absent yields None."""
+    """Import a kernel module; a module whose extension or compiler is absent yields None (``why_missing`` says
+    what was missing)."""
     try:
         return importlib.import_module(module_name)
-    except ImportError:
+    except ImportError as err:
+        _import_errors[module_name] = str(err)
         return None
+
+
+def why_missing(module_name: str) -> str:
+    """A user's sentence for a kernel family that did not import."""
+    err = _import_errors.get(module_name, "")
+    if "triton" in err:
+        return "Triton is not installed (a CPU build of torch ships without it)"
+    if "_sm90" in err:
+        return "not built: the Hopper kernel is compiled at install time where nvcc and an sm90 GPU are present"
+    if "_C" in err:
+        return "not built: the C++ extension did not compile at install time (reinstall and read its log)"
+    return f"not importable ({err})" if err else "not importable"
 
 
 def kernel_order() -> Tuple[str, ...]:
@@ -58,7 +75,7 @@ def _families(reasons: Dict[str, str], order: Optional[Tuple[str, ...]] = None):
         module = _load(name)
         short = name.rsplit(".", 1)[-1]
         if module is None:
-            reasons[short] = "not importable (extension not built or its compiler missing)"
+            reasons[short] = why_missing(name)
             continue
         yield short, module
 

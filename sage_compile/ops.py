@@ -18,6 +18,7 @@ signature here restates a scheme field.
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from typing import Optional, Tuple
 
@@ -29,7 +30,7 @@ from . import autograd, dispatch, prep, spec
 from .config import SageConfig
 from .kernels import KernelArgs
 from .scheme import Scheme
-from .sites import UnsupportedAttentionError
+from .sites import UnsupportedAttentionError, remedy
 from .support import AttentionCall, sdpa_is_faster, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
@@ -100,8 +101,9 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if reason is not None:
         report_fallback(reason, config)
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
-    if sdpa_is_faster(call, config) is not None:
-        torch._dynamo.utils.counters["sage"]["sdpa_by_threshold"] += 1
+    choice = sdpa_is_faster(call, config)
+    if choice is not None:
+        report_fallback(choice, config, choice=True)
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
@@ -148,14 +150,18 @@ def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_l
 _reported_fallbacks: set = set()
 
 
-def report_fallback(reason: str, config: SageConfig) -> None:
-    """Explicit fallback: raise (fallback='error') or count and warn once per reason."""
-    if config.fallback == "error":
-        raise UnsupportedAttentionError(f"sage.attention: {reason}")
-    torch._dynamo.utils.counters["sage"]["fallbacks"] += 1
-    if reason not in _reported_fallbacks:
-        _reported_fallbacks.add(reason)
-        warnings.warn(f"sage.attention ran F.scaled_dot_product_attention instead: {reason}", stacklevel=3)
+def report_fallback(reason: str, config: SageConfig, choice: bool = False) -> None:
+    """A call that runs SDPA: raise (fallback='error'; not for a speed choice) or count and warn once per reason
+    (numbers aside), with what to do about it. A speed choice the user set (min_seq_len) is counted, not warned."""
+    if config.fallback == "error" and not choice:
+        raise UnsupportedAttentionError(f"sage.attention: {reason}. {remedy(reason)}")
+    torch._dynamo.utils.counters["sage"]["sdpa_by_threshold" if choice else "fallbacks"] += 1
+    key = re.sub(r"\d+", "N", reason)
+    if (choice and config.min_seq_len is not None) or key in _reported_fallbacks:
+        return
+    _reported_fallbacks.add(key)
+    warnings.warn(f"sage.attention ran F.scaled_dot_product_attention instead: {reason}. {remedy(reason)}",
+                  stacklevel=4)
 
 
 def _empty_outputs(q, k, head_dim, out_dtype):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -51,8 +52,49 @@ def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_
     choice = sdpa_is_faster(call, config) if reason is None else None
     report.add(describe_site(name, call, reason or choice, config, source))
     if reason is not None and config.fallback == "error":
-        raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}")
+        raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}. "
+                                        f"{remedy(reason)}")
+    if reason is not None or (choice is not None and config.min_seq_len is None):
+        warn_kept_site(name, call.shapes(), reason or choice, is_choice=reason is None)
     return reason is None and choice is None
+
+
+# (what a reason starts with or contains, what the user can do about it)
+_REMEDIES = (
+    ("SDPA is faster", "SageConfig(min_seq_len=0) runs sage anyway"),
+    ("float32", "cast the model to bf16/fp16, or set SageConfig(allow_fp32=True)"),
+    ("dropout", "run in eval mode (dropout_p=0)"),
+    ("requires grad", "detach the mask (a constant bias), or keep this site on SDPA"),
+    ("more than the attention output is used", "call F.scaled_dot_product_attention in the model so the site is "
+                                               "seen before autograd (stage 1)"),
+    ("no fast sage kernel", "run on a CUDA GPU (sm80+) or the CPU; `python -m sage_compile doctor` lists kernels"),
+    ("attn_mask", "pass a mask that broadcasts as [B|1, H|1, Nq|1, Nk] (bool or additive float)"),
+)
+
+
+def remedy(reason: str) -> str:
+    for words, fix in _REMEDIES:
+        if words in reason:
+            return f"Fix: {fix}."
+    return "SageConfig(fallback='error') makes this an error."
+
+
+_warned_kept: set = set()
+
+
+def warn_kept_site(name: str, shapes: str, reason: str, is_choice: bool) -> None:
+    """Tell the user once per compiled code and reason (numbers aside: one line for every key length) that a
+    site runs SDPA, naming the site and what to do."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    key = (getattr(compile_id, "frame_id", None), re.sub(r"\d+", "N", reason))
+    if key in _warned_kept:
+        return
+    _warned_kept.add(key)
+    what = "SDPA measured faster" if is_choice else "sage cannot run it"
+    warnings.warn(f"sage: attention site {name} ({shapes}) runs F.scaled_dot_product_attention ({what}): {reason}. "
+                  f"{remedy(reason)}", UserWarning, stacklevel=2)
 
 
 @dataclass
