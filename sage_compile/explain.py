@@ -1,4 +1,5 @@
-"""explain(model, *inputs): every attention site, replaced or not, why, its shapes and kernel."""
+"""explain(model, *inputs): every attention site, replaced or not, why, its shapes and kernel; and every softmax
+that was not turned into attention, with what did not fit."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +8,7 @@ from typing import List, Optional
 import torch
 
 from .config import SageConfig
-from .sites import Site, SiteReport
+from .sites import Site, SiteReport, SoftmaxSite
 
 
 @dataclass
@@ -16,13 +17,14 @@ class Explanation:
     graph_count: int = 0
     graph_breaks: int = 0
     break_reasons: List[str] = field(default_factory=list)
+    softmaxes: List[SoftmaxSite] = field(default_factory=list)  # softmaxes not turned into attention, with why
 
     @property
     def replaced(self) -> List[Site]:
         return [s for s in self.sites if s.replaced]
 
     def __str__(self) -> str:
-        report = SiteReport(list(self.sites)).table()
+        report = SiteReport(list(self.sites), list(self.softmaxes)).table()
         breaks = f"{self.graph_count} graph(s), {self.graph_breaks} graph break(s)"
         reasons = "".join(f"\n  break: {r}" for r in self.break_reasons)
         return f"{report}\n{breaks}{reasons}"
@@ -43,5 +45,6 @@ def explain(model, *example_inputs, config: Optional[SageConfig] = None, **examp
     dynamo = torch._dynamo.explain(model)(*example_inputs, **example_kwargs)
     torch._dynamo.reset()
     sites = [site for report in reports for site in report.sites]
+    softmaxes = [softmax for report in reports for softmax in report.softmaxes]
     return Explanation(sites, dynamo.graph_count, dynamo.graph_break_count,
-                       [str(b.reason) for b in dynamo.break_reasons])
+                       [str(b.reason) for b in dynamo.break_reasons], softmaxes)
