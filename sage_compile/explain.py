@@ -1,4 +1,5 @@
-"""explain(model, *inputs): every attention site, replaced or not, why, its shapes and kernel."""
+"""explain(model, *inputs): every attention site, replaced or not, why, its shapes and kernel; and every softmax
+that was not turned into attention, with what did not fit."""
 from __future__ import annotations
 
 import types
@@ -10,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .config import SageConfig
-from .sites import Site, SiteReport
+from .sites import Site, SiteReport, SoftmaxSite
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Explanation:
     graph_count: int = 0
     graph_breaks: int = 0
     break_reasons: List[str] = field(default_factory=list)
+    softmaxes: List[SoftmaxSite] = field(default_factory=list)  # softmaxes not turned into attention, with why
     config: Optional[SageConfig] = None
 
     @property
@@ -26,7 +28,7 @@ class Explanation:
         return [s for s in self.sites if s.replaced]
 
     def __str__(self) -> str:
-        report = SiteReport(list(self.sites)).table()
+        report = SiteReport(list(self.sites), list(self.softmaxes)).table()
         breaks = f"{self.graph_count} graph(s), {self.graph_breaks} graph break(s)"
         reasons = "".join(f"\n  break: {r}" for r in self.break_reasons)
         return f"{report}\n{breaks}{reasons}"
@@ -53,7 +55,8 @@ def explain(model, *example_inputs, config: Optional[SageConfig] = None, **examp
         torch.compile(_fresh_caller(target), backend=backend)(*example_inputs, **example_kwargs)
     breaks = Counter(torch._dynamo.utils.counters["graph_break"]) - breaks_before
     sites = [site for report in reports for site in report.sites]
-    return Explanation(sites, len(graphs), sum(breaks.values()), sorted(breaks), config)
+    softmaxes = [softmax for report in reports for softmax in report.softmaxes]
+    return Explanation(sites, len(graphs), sum(breaks.values()), sorted(breaks), softmaxes, config)
 
 
 def unwrap_compiled(model) -> Tuple[object, Optional[SageConfig]]:

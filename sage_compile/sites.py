@@ -1,6 +1,7 @@
 """Attention sites: what the passes found, what they did and why; read by explain(), counters and logs."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_
     from .support import sdpa_is_faster, unsupported_reason
 
     reason = reason or unsupported_reason(call, config, grad_enabled)
+    if source == "inductor-sdpa" and getattr(call, "nodes", None):
+        report.drop_softmaxes_fused_in(call.nodes[0].graph)
     choice = sdpa_is_faster(call, config) if reason is None else None
     report.add(describe_site(name, call, reason or choice, config, source))
     if reason is not None and config.fallback == "error":
@@ -98,13 +101,58 @@ def warn_kept_site(name: str, shapes: str, reason: str, is_choice: bool) -> None
 
 
 @dataclass
+class SoftmaxSite:
+    """A softmax the passes did not turn into attention, and what did not fit (one sentence)."""
+
+    name: str  # module path + index, counted apart from the attention sites (their names stay as they were)
+    reason: str
+    shape: str
+    dtype: str
+    where: str  # file:line of the softmax in the user's code, "?" when the graph does not say
+    node: str = ""  # the Dynamo node's name (stage 2 finds it again through source_fn_stack)
+
+
+def describe_softmax(name: str, node: torch.fx.Node, reason: str) -> SoftmaxSite:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    tensor = isinstance(value, torch.Tensor)
+    return SoftmaxSite(name=name, reason=reason,
+                       shape="[" + ",".join(str(s) for s in value.shape) + "]" if tensor else "?",
+                       dtype=str(value.dtype).replace("torch.", "") if tensor else "?",
+                       where=source_line(node), node=node.name)
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The innermost user frame of a node's stack trace as file:line, or "?"."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return "?"
+    path, line = frames[-1]
+    return f"{os.path.basename(path)}:{line}"
+
+
+@dataclass
 class SiteReport:
     sites: List[Site] = field(default_factory=list)
+    softmaxes: List[SoftmaxSite] = field(default_factory=list)  # softmaxes not turned into attention
 
     def add(self, site: Site) -> None:
         self.sites.append(site)
         key = "sites_replaced" if site.replaced else "sites_kept_sdpa"
         torch._dynamo.utils.counters["sage"][key] += 1
+
+    def add_softmax(self, softmax: SoftmaxSite) -> None:
+        self.softmaxes.append(softmax)
+        torch._dynamo.utils.counters["sage"]["softmax_not_attention"] += 1
+
+    def drop_softmaxes_fused_in(self, graph: torch.fx.Graph) -> None:
+        """Stage 2 found attention in ``graph`` (aten IR): Inductor's fuse_attention took softmaxes stage 1 left,
+        and the stage-2 site reports them now. The ones gone from the graph are no longer "not attention"."""
+        left = {name for node in graph.nodes if "softmax" in str(node.target)
+                for name, _ in node.meta.get("source_fn_stack") or ()}
+        fused = [s for s in self.softmaxes if s.node and s.node not in left]
+        for softmax in fused:
+            self.softmaxes.remove(softmax)
+            torch._dynamo.utils.counters["sage"]["softmax_not_attention"] -= 1
 
     @property
     def replaced(self) -> List[Site]:
@@ -122,7 +170,17 @@ class SiteReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
         summary = f"{len(self.replaced)} of {len(self.sites)} attention sites replaced"
-        return "\n".join([summary] + lines)
+        return "\n".join([summary] + lines + self.softmax_lines())
+
+    def softmax_lines(self) -> List[str]:
+        """One line per softmax not turned into attention: "not attention: <reason>"."""
+        if not self.softmaxes:
+            return []
+        rows = [("softmax", "where", "shape", "dtype", "")]
+        rows += [(s.name, s.where, s.shape, s.dtype, f"not attention: {s.reason}") for s in self.softmaxes]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+        return [f"{len(self.softmaxes)} softmax(es) not turned into attention"] + lines
 
     def __str__(self) -> str:
         return self.table()
