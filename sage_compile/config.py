@@ -106,7 +106,7 @@ def check_inductor_options(options: Mapping[str, Any]) -> None:
 
     import torch._inductor.config as inductor_config
 
-    known = set(inductor_config.get_config_copy()) | {"mode"}
+    known = set(inductor_config._config) | {"mode"}  # every config, those a cache key ignores too
     for key in options:
         if key not in known:
             close = difflib.get_close_matches(key, list(OPTION_NAMES) + sorted(known), n=1)

@@ -317,11 +317,11 @@ def test_classifier_softmax_is_unchanged():
 def test_a_softmax_inductor_fuses_in_stage_2_is_not_listed(monkeypatch):
     """Stage 1 leaves it (here: told to), Inductor's fuse_attention makes it SDPA and stage 2 replaces it: the site
     is reported, the softmax is no longer "not attention" (nor counted as such)."""
-    import sys
+    import importlib
 
     from sage_compile.backend import collect_reports
 
-    matcher = sys.modules["sage_compile.passes.match_manual_attention"]
+    matcher = importlib.import_module("sage_compile.passes.match_manual_attention")
 
     def refuse(softmax):
         raise matcher.NotAttention("left for stage 2")
