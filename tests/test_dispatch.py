@@ -35,8 +35,8 @@ def test_sage_kernels_pins_order_and_rejects_unknown(monkeypatch):
 def test_cpu_inputs_get_the_cpu_kernel_with_reasons_from_gpu_kernels():
     module, reasons = dispatch.choose(_cpu_args())
     assert module.NAME == "cpu"
-    assert "CUDA" in reasons["triton"] or "not importable" in reasons["triton"]
-    assert "CUDA" in reasons["sm90"] or "not importable" in reasons["sm90"]
+    assert "CUDA" in reasons["triton"] or "Triton is not installed" in reasons["triton"]
+    assert "CUDA" in reasons["sm90"] or "not built" in reasons["sm90"]
 
 
 def test_mask_problem_names_what_breaks_the_contract():

@@ -185,16 +185,6 @@ def test_console_script_names_itself(capsys):
     assert capsys.readouterr().out.startswith("usage: sage-compile")
 
 
-def test_doctor_says_what_runs_here(capsys):
-    from sage_compile.__main__ import main
-
-    assert main(["doctor"]) == 0
-    out = capsys.readouterr().out
-    assert "cpu: bf16, head dim 64, pv=fp8 → the cpu kernel" in out
-    if not torch.cuda.is_available():
-        assert "no CUDA device" in out and "not importable" not in out
-
-
 def test_unsupported_error_names_the_fix():
     q, k, v = _qkv(dtype=torch.float32)
     with pytest.raises(UnsupportedAttentionError, match="allow_fp32=True"):
