@@ -40,3 +40,20 @@ def attention_shapes(draw, max_n=160, head_dims=HEAD_DIMS):
         n_k=draw(st.sampled_from([1, 3, 31, 64, 77, 128, 130, max_n])),
         d=draw(st.sampled_from(head_dims)),
     )
+
+
+def compile_and_capture(fn, *args):
+    """fn compiled with backend="sage" (no code generation) under no_grad: (its output, every node of the graphs
+    the backend saw after stage 1)."""
+    from sage_compile.backend import sage_backend
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = sage_backend(gm, example_inputs, options={"inner_backend": "eager"})
+        graphs.append(gm)
+        return compiled
+
+    with torch.no_grad():
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, [n for gm in graphs for n in gm.graph.nodes]

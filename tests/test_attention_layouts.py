@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import cosine, random_qkv
+from helpers import compile_and_capture, cosine, random_qkv
 import sage_compile
 from sage_compile import ops  # noqa: F401  (registers sage::attention)
 from sage_compile.backend import sage_backend
@@ -123,19 +123,6 @@ def _inputs(layout, gqa, seed):
     return q, k, v, mask
 
 
-def _compile_and_capture(fn, *args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        compiled = sage_backend(gm, example_inputs, options={"inner_backend": "eager"})
-        graphs.append(gm)
-        return compiled
-
-    with torch.no_grad():
-        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return out, [n for gm in graphs for n in gm.graph.nodes]
-
-
 def _float(*tensors):
     return [t.float() if t.is_floating_point() else t for t in tensors]
 
@@ -151,7 +138,7 @@ def check_found(layout, scale_at, mask_kind, gqa, fp32_softmax, seed=0):
     torch._dynamo.utils.counters.clear()
     fn = attention(layout, scale_at, mask_kind, gqa, fp32_softmax)
     q, k, v, mask = _inputs(layout, gqa, seed)
-    out, nodes = _compile_and_capture(fn, q, k, v, mask)
+    out, nodes = compile_and_capture(fn, q, k, v, mask)
     (site,) = [n for n in nodes if n.target == SAGE]
     assert not any("softmax" in str(n.target) for n in nodes)
     assert site.kwargs["enable_gqa"] == gqa
@@ -188,7 +175,7 @@ def test_token_major_output_is_permuted_back():
     """einsum('bhqk,bkhd->bqhd'): the replacement returns sage's [B, H, N, D] output as a [B, N, H, D] view."""
     layout = LAYOUTS[3]
     q, k, v, mask = _inputs(layout, False, 2)
-    out, nodes = _compile_and_capture(attention(layout, "scores", "none", False, False), q, k, v, mask)
+    out, nodes = compile_and_capture(attention(layout, "scores", "none", False, False), q, k, v, mask)
     (site,) = [n for n in nodes if n.target == SAGE]
     (user,) = site.users
     assert user.target == "permute" and tuple(user.args[1]) == (0, 2, 1, 3)
@@ -286,7 +273,7 @@ def test_softmaxes_not_attention_are_counted_beside_the_sites():
         return _scores(q, k).softmax(-1) @ v + softmax_over_heads(q, k, v) + probs_feed_a_mul(q, k, v)[..., None]
 
     q, k, v = random_qkv(1, H, H, 16, 16, D, seed=4)
-    _, nodes = _compile_and_capture(mixed, q, k, v)
+    _, nodes = compile_and_capture(mixed, q, k, v)
     counters = torch._dynamo.utils.counters["sage"]
     assert counters["sites_replaced"] == 1 and counters["softmax_not_attention"] == 2
     assert sum(n.target == SAGE for n in nodes) == 1
@@ -299,7 +286,7 @@ def test_softmaxes_not_attention_are_counted_beside_the_sites():
 def test_matching_never_changes_a_softmax_that_is_not_attention(fn, dtype, n, seed):
     torch._dynamo.reset()
     q, k, v = random_qkv(1, H, H, n, n, D, dtype=dtype, seed=seed)
-    out, nodes = _compile_and_capture(fn, q, k, v)
+    out, nodes = compile_and_capture(fn, q, k, v)
     assert not any(node.target == SAGE for node in nodes)
     expected = fn(q, k, v)
     for got, want in zip(out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple)
@@ -309,7 +296,7 @@ def test_matching_never_changes_a_softmax_that_is_not_attention(fn, dtype, n, se
 
 def test_classifier_softmax_is_unchanged():
     model, x = Classifier(), torch.randn(2, 12, D)
-    out, _ = _compile_and_capture(model, x)
+    out, _ = compile_and_capture(model, x)
     for got, want in zip(out, model(x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 

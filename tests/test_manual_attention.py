@@ -5,9 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import cosine, random_qkv
+from helpers import compile_and_capture, cosine, random_qkv
 import sage_compile
-from sage_compile.backend import sage_backend
 
 B, H, HKV, N, D = 2, 4, 2, 48, 64
 SCALE = D ** -0.5
@@ -92,25 +91,11 @@ FORMS = [plain, divided, scaled_q, fp32_softmax, float_cast_softmax, causal_mask
 GQA_FORMS = [repeat_interleave_gqa]
 
 
-def _compile_and_capture(fn, *args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        compiled = sage_backend(gm, example_inputs, options={"inner_backend": "eager"})
-        graphs.append(gm)
-        return compiled
-
-    with torch.no_grad():
-        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    nodes = [n for gm in graphs for n in gm.graph.nodes]
-    return out, nodes
-
-
 @pytest.mark.parametrize("fn", FORMS + GQA_FORMS, ids=lambda f: f.__name__)
 def test_hand_written_forms_become_sage_sites(fn):
     hkv = HKV if fn in GQA_FORMS else H
     q, k, v = random_qkv(B, H, hkv, N, N, D, seed=1)
-    out, nodes = _compile_and_capture(fn, q, k, v)
+    out, nodes = compile_and_capture(fn, q, k, v)
     sage_nodes = [n for n in nodes if n.target == torch.ops.sage.attention.default]
     assert len(sage_nodes) == 1
     assert not any("softmax" in str(n.target) for n in nodes)
@@ -122,7 +107,7 @@ def test_hf_eager_attention_with_additive_mask_and_repeat_kv():
     q, k, v = random_qkv(B, H, HKV, N, N, D, seed=2)
     mask = torch.zeros(B, 1, N, N + 8, dtype=torch.bfloat16)
     mask[1, :, :, 30:] = torch.finfo(torch.bfloat16).min  # padding in batch 1
-    out, nodes = _compile_and_capture(hf_eager_with_mask, q, k, v, mask)
+    out, nodes = compile_and_capture(hf_eager_with_mask, q, k, v, mask)
     sage_nodes = [n for n in nodes if n.target == torch.ops.sage.attention.default]
     assert len(sage_nodes) == 1 and sage_nodes[0].kwargs["enable_gqa"]
     assert sage_nodes[0].args[1].op == "placeholder"  # K before repeat_kv: no copy
@@ -134,7 +119,7 @@ def test_train_mode_dropout_is_not_matched():
         return F.dropout((q @ k.transpose(-1, -2) * SCALE).softmax(-1), p=0.1, training=True) @ v
 
     q, k, v = random_qkv(1, 2, 2, 16, 16, D, seed=3)
-    _, nodes = _compile_and_capture(with_dropout, q, k, v)
+    _, nodes = compile_and_capture(with_dropout, q, k, v)
     assert not any(n.target == torch.ops.sage.attention.default for n in nodes)
 
 
@@ -159,7 +144,7 @@ def test_diffusers_legacy_baddbmm_with_a_padding_mask():
     q, k, v = random_qkv(B, H, H, N, N, D, seed=5)
     mask = torch.zeros(B * H, 1, N, dtype=torch.bfloat16)
     mask[H:, :, 20:] = -10000.0
-    out, nodes = _compile_and_capture(legacy, q, k, v, mask)
+    out, nodes = compile_and_capture(legacy, q, k, v, mask)
     assert sum(n.target == torch.ops.sage.attention.default for n in nodes) == 1
     assert cosine(out, _exact(legacy, q, k, v, mask)) > 0.995
 
@@ -171,7 +156,7 @@ def test_diffusers_legacy_baddbmm_with_a_padding_mask():
 def test_causal_masks_are_recognised_as_causal(fn, n_q, n_k, expected):
     """triu/tril-of-ones masks become the causal mode: no mask read, key blocks skipped, same result."""
     q, k, v = random_qkv(B, H, H, n_q, n_k, D, seed=6)
-    out, nodes = _compile_and_capture(fn, q, k, v)
+    out, nodes = compile_and_capture(fn, q, k, v)
     (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
     assert site.kwargs["causal"] == expected and site.kwargs["attn_mask"] is None
     torch.testing.assert_close(out, sage_compile.sage_attention(q, k, v, is_causal=True), rtol=0, atol=0)
@@ -184,7 +169,7 @@ def test_bottom_right_triu_mask_is_recognised():
         return (q @ k.transpose(-1, -2) * SCALE).masked_fill(masked, float("-inf")).softmax(-1) @ v
 
     q, k, v = random_qkv(1, 2, 2, 16, 40, D, seed=7)
-    out, nodes = _compile_and_capture(chunked_prefill, q, k, v)
+    out, nodes = compile_and_capture(chunked_prefill, q, k, v)
     (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
     assert site.kwargs["causal"] == 2 and site.kwargs["attn_mask"] is None
     expected = sage_compile.sage_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
@@ -197,7 +182,7 @@ def test_a_non_causal_band_stays_a_mask():
         return (q @ k.transpose(-1, -2) * SCALE).masked_fill(far, float("-inf")).softmax(-1) @ v
 
     q, k, v = random_qkv(1, 2, 2, 24, 24, D, seed=8)
-    out, nodes = _compile_and_capture(band, q, k, v)
+    out, nodes = compile_and_capture(band, q, k, v)
     (site,) = [n for n in nodes if n.target == torch.ops.sage.attention.default]
     assert site.kwargs["causal"] == 0 and site.kwargs["attn_mask"] is not None
     assert cosine(out, _exact(band, q, k, v)) > 0.995
