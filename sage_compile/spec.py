@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .scheme import MAX_K_MEAN_SAMPLE, PV_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme  # noqa: F401
+from .scheme import PV_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme  # noqa: F401
 
 LOG2E = math.log2(math.e)
 P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
