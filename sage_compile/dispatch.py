@@ -4,12 +4,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import warnings
 from typing import Dict, List, Optional, Tuple
 
 from .kernels import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
-
-_warned: set = set()
+from .sites import warn_once
 
 
 _import_errors: Dict[str, str] = {}
@@ -62,11 +60,17 @@ def choose(args: KernelArgs):
     reasons: Dict[str, str] = {}
     site = args.site
     for short, module in _families(reasons):
-        why_not = module.supports(site) or module.accepts(args)
+        why_not = _supports(module, site) or module.accepts(args)
         if why_not is None:
             return module, reasons
         reasons[short] = why_not
     raise RuntimeError(f"sage.quantized_attention: no kernel supports these inputs: {reasons}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _supports(module, site: KernelSite) -> Optional[str]:
+    """A family's ``supports`` is pure: each distinct site is judged once (host time on every eager call)."""
+    return module.supports(site)
 
 
 def _families(reasons: Dict[str, str], order: Optional[Tuple[str, ...]] = None):
@@ -83,13 +87,9 @@ def _families(reasons: Dict[str, str], order: Optional[Tuple[str, ...]] = None):
 def run(args: KernelArgs, out, lse) -> str:
     check_inputs(args, out, lse)
     module, reasons = choose(args)
-    if module.NAME == "reference" and ("reference", args.device.type) not in _warned:
-        _warned.add(("reference", args.device.type))
-        warnings.warn(
-            f"sage_compile: using the slow pure-PyTorch reference kernel on {args.device.type} "
-            f"(faster kernels unavailable: {reasons})",
-            stacklevel=3,
-        )
+    if module.NAME == "reference":
+        warn_once("reference", args.device.type, f"sage_compile: using the slow pure-PyTorch reference kernel on "
+                  f"{args.device.type} (faster kernels unavailable: {reasons})")
     module.launch(args, out, lse)
     return module.NAME
 
@@ -104,7 +104,7 @@ def kernel_for_site(site: KernelSite):
 def _kernel_for_site(site: KernelSite, order: Tuple[str, ...]):
     reasons: Dict[str, str] = {}
     for short, module in _families(reasons, order):
-        why_not = module.supports(site)
+        why_not = _supports(module, site)
         if why_not is None:
             return module.NAME, reasons
         reasons[short] = why_not

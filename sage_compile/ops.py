@@ -18,8 +18,6 @@ signature here restates a scheme field.
 from __future__ import annotations
 
 import functools
-import re
-import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -30,7 +28,7 @@ from . import autograd, dispatch, prep, spec
 from .config import SageConfig
 from .kernels import KernelArgs
 from .scheme import Scheme
-from .sites import UnsupportedAttentionError, remedy
+from .sites import UnsupportedAttentionError, remedy, warn_once
 from .support import AttentionCall, sdpa_is_faster, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
@@ -147,21 +145,15 @@ def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_l
                                           enable_gqa=enable_gqa)
 
 
-_reported_fallbacks: set = set()
-
-
 def report_fallback(reason: str, config: SageConfig, choice: bool = False) -> None:
     """A call that runs SDPA: raise (fallback='error'; not for a speed choice) or count and warn once per reason
     (numbers aside), with what to do about it. A speed choice the user set (min_seq_len) is counted, not warned."""
     if config.fallback == "error" and not choice:
         raise UnsupportedAttentionError(f"sage.attention: {reason}. {remedy(reason)}")
     torch._dynamo.utils.counters["sage"]["sdpa_by_threshold" if choice else "fallbacks"] += 1
-    key = re.sub(r"\d+", "N", reason)
-    if (choice and config.min_seq_len is not None) or key in _reported_fallbacks:
-        return
-    _reported_fallbacks.add(key)
-    warnings.warn(f"sage.attention ran F.scaled_dot_product_attention instead: {reason}. {remedy(reason)}",
-                  stacklevel=4)
+    if not (choice and config.min_seq_len is not None):
+        warn_once("call", reason, f"sage.attention ran F.scaled_dot_product_attention instead: {reason}. "
+                  f"{remedy(reason)}", stacklevel=4)
 
 
 def _empty_outputs(q, k, head_dim, out_dtype):

@@ -82,22 +82,25 @@ def remedy(reason: str) -> str:
     return "SageConfig(fallback='error') makes this an error."
 
 
-_warned_kept: set = set()
+_warned: set = set()
+
+
+def warn_once(scope, reason: str, message: str, stacklevel: int = 3) -> None:
+    """Warn ``message`` once per ``scope`` and reason — numbers aside, so one line serves every key length."""
+    key = (scope, re.sub(r"\d+", "N", reason))
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
 
 def warn_kept_site(name: str, shapes: str, reason: str, is_choice: bool) -> None:
-    """Tell the user once per compiled code and reason (numbers aside: one line for every key length) that a
-    site runs SDPA, naming the site and what to do."""
+    """Tell the user once per compiled code and reason that a site runs SDPA, naming the site and what to do."""
     from torch._guards import CompileContext
 
-    compile_id = CompileContext.current_compile_id()
-    key = (getattr(compile_id, "frame_id", None), re.sub(r"\d+", "N", reason))
-    if key in _warned_kept:
-        return
-    _warned_kept.add(key)
+    frame = getattr(CompileContext.current_compile_id(), "frame_id", None)
     what = "SDPA measured faster" if is_choice else "sage cannot run it"
-    warnings.warn(f"sage: attention site {name} ({shapes}) runs F.scaled_dot_product_attention ({what}): {reason}. "
-                  f"{remedy(reason)}", UserWarning, stacklevel=2)
+    warn_once(("compiled", frame), reason, f"sage: attention site {name} ({shapes}) runs "
+              f"F.scaled_dot_product_attention ({what}): {reason}. {remedy(reason)}")
 
 
 @dataclass
