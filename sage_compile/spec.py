@@ -15,6 +15,34 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
 7. LSE: natural-log log-sum-exp of the smoothed scores (``Prepared.lse_shift`` turns it into SDPA's).
 Causal masks are top-left aligned (SDPA's ``is_causal``) or bottom-right (KV cache), named explicitly.
 
+Special values — one rule, the same in every path (eager, compiled, CPU kernel, Triton, sm90). Key j is *visible* to
+query row i unless hidden by the causal alignment, by kv_lens, or by the attn_mask (a False bool entry or a −inf
+additive entry: both hide, whatever S would have been). A token is *poisoned* if its row holds a NaN or ±Inf.
+* q row i poisoned → output row i is NaN (every channel), lse NaN — also when row i sees no key.
+* k row j or v row j poisoned (any channel) → every row that sees key j is NaN in every channel, lse NaN; rows
+  that do not see key j are unaffected: finite (key j's non-finite elements count as 0 in μK, μV and δV).
+* With grouped scales (per_block Q or K, per_thread K) the poison covers the token's scale group: every token that
+  shares its δ counts as poisoned (per_token, the default, is exact).
+* A row that sees no key (bool mask all False, −inf mask everywhere, causal / kv_lens leaving none): out 0, lse −∞
+  (SDPA on torch 2.13 CPU gives 0 too; its lse is −∞ / not returned).
+* Finite inputs (|x| up to fp16's max 65504, denormals) give finite results: δ ≥ the smallest normal float so 1/δ is
+  finite, |x·(1/δ)| ≤ levels, and no fp32 intermediate (k − μK, q·μK, ΔS, S) overflows for |q|, |k| ≤ 2^56. A
+  finite input that does overflow an intermediate poisons what it reaches, as a non-finite input would.
+How the poison travels, so the kernels stay cheap: the prep makes a poisoned token's scale NaN (δQ_i, and δK_j for
+a poisoned k row *or v row*: ``token_poison(v)`` is added to δK) and its 8-bit payload 0 (defined, never a cast of
+NaN); μK, μQ, μV and δV are taken over the finite elements only (a non-finite element counts as 0), so one bad
+key does not poison the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the poisoned pairs; masking
+replaces a hidden score by −∞ (a select, never an add, so NaN does not survive it); a visible NaN score makes P̃
+NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which every step after keeps.
+After the key loop l += 0·δQ_i (NaN for a poisoned q row, else exact); then l == 0 → no key (out 0, lse −∞),
+otherwise out = O32/(448·l)·δV (+ μV) and lse from log2 l — NaN whenever l is. So no kernel needs a
+NaN-propagating max, and the hot loop gains nothing but the mask select on masked tiles.
+Where SDPA differs: its NaN pattern depends on the backend — the P·V product spreads a NaN or Inf of v to every
+row (0·NaN), visible or not, an Inf k row gives finite rows on some backends, and the CPU flash kernel returns 0
+for a NaN q row; an additive mask entry of finfo.min is −∞ here (·log2 e overflows), so a row masked that way
+everywhere is 0 here, a uniform average in SDPA. NaN is our answer wherever 8-bit numerics cannot reproduce
+SDPA, never finite garbage.
+
 Two halves, matching the two ops:
 
 * ``prepare`` — smoothing, quantization and layout (steps 1–3, and 5 for V). It is traceable
@@ -78,8 +106,8 @@ def group_amax(x: torch.Tensor, granularity: str, block: int, valid: Optional[to
     token_amax = x.abs().amax(dim=-1)
     if granularity == "per_token":
         return token_amax
-    if valid is not None:
-        token_amax = token_amax * valid[:, None, :].to(token_amax.dtype)
+    if valid is not None:  # a select, not a product: a poisoned key past kv_lens (NaN·0) must not poison its group
+        token_amax = torch.where(valid[:, None, :], token_amax, 0.0)
     if granularity == "per_thread":
         return thread_group_max(token_amax)
     n = token_amax.shape[-1]
@@ -98,8 +126,12 @@ def thread_group_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_k_thread_groups(k_scale: torch.Tensor) -> None:
-    """The promise of per_thread K (``Scheme.k_thread_groups``): δK is constant over every per_thread group."""
-    if not torch.equal(thread_group_max(k_scale), k_scale) or not torch.equal(-thread_group_max(-k_scale), k_scale):
+    """The promise of per_thread K (``Scheme.k_thread_groups``): δK is constant over every per_thread group (a
+    poisoned group is NaN throughout)."""
+    def same(a, b):
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+    if not same(thread_group_max(k_scale), k_scale) or not same(-thread_group_max(-k_scale), k_scale):
         raise ValueError("sage.quantized_attention: k_granularity='per_thread' but k_scale is not constant over each "
                          "per_thread key group (spec.thread_group_max)")
 
@@ -111,10 +143,26 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     The product with the rounded reciprocal (rather than the quotient x/δ) is what a kernel computes in two
     instructions — mul, then add 1.5·2²³, whose ulp of 1 makes the add the rint — where matching the IEEE
     quotient took six and a rare division; the prep's quantize kernels are issue-bound, so that is their speed. The two differ by one step only where x/δ lies within ~1e-5 of a
-    half-integer. δ is at least the smallest normal float, so 1/δ is finite (an all-zero group quantizes to 0)."""
+    half-integer. δ is at least the smallest normal float, so 1/δ is finite (an all-zero group quantizes to 0).
+
+    A non-finite amax (a poisoned token or group, see the module docstring) gives δ = NaN and x̂ = 0 on its tokens:
+    the select comes before the int8 cast, so no NaN or Inf is ever cast."""
+    ok = torch.isfinite(amax)
     delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
-    xq = torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels).to(torch.int8)
-    return xq, delta
+    delta = torch.where(ok, delta, math.nan)
+    xq = torch.where(ok.unsqueeze(-1), torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels), 0.0)
+    return xq.to(torch.int8), delta
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """x with its non-finite elements replaced by 0: what μK, μQ, μV and δV are taken over."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+def token_poison(x: torch.Tensor) -> torch.Tensor:
+    """[..., N, D] → fp32 [..., N]: 0 where a token's row is finite, NaN where it holds a NaN or ±Inf. Added to a
+    scale it poisons it (δ + 0 is δ exactly)."""
+    return torch.where(torch.isfinite(x).all(dim=-1), 0.0, math.nan)
 
 
 def fma_friendly(delta: torch.Tensor) -> torch.Tensor:
@@ -139,10 +187,11 @@ def quantize_pv_operand(x: torch.Tensor, pv: str) -> torch.Tensor:
 
 def token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int = 0) -> torch.Tensor:
     """fp32 mean over tokens ([B,H,N,D] → [B,H,1,D]); with kv_lens, over each batch's valid keys only. ``sample``
-    S > 0: over the keys ``mean_sample_positions`` picks — all of them (in order) where there are at most S."""
+    S > 0: over the keys ``mean_sample_positions`` picks — all of them (in order) where there are at most S.
+    Non-finite elements count as 0 (``finite_or_zero``)."""
     if sample:
         return _sampled_token_mean(x, kv_lens, sample)
-    x = x.float()
+    x = finite_or_zero(x.float())  # a poisoned key must not poison μ (and through it every key)
     if kv_lens is None:
         return x.mean(dim=-2, keepdim=True)
     valid = valid_key_mask(kv_lens, x.shape[-2]).to(x.dtype)[:, None, :, None]
@@ -172,11 +221,11 @@ def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample
     if kv_lens is None:
         lens = torch.full((1,), n, dtype=torch.int64, device=x.device)
         pos, taken = mean_sample_positions(lens, sample)
-        rows = x.index_select(-2, pos[0]).float() * taken[0].to(torch.float32)[:, None]
+        rows = finite_or_zero(x.index_select(-2, pos[0]).float()) * taken[0].to(torch.float32)[:, None]
     else:
         lens = kv_lens.to(torch.int64)
         pos, taken = mean_sample_positions(lens, sample)  # [B, S]
-        rows = torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float()
+        rows = finite_or_zero(torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float())
         rows = rows * taken.to(torch.float32)[:, None, :, None]
     count = lens.clamp(1, sample).to(torch.float32)
     return rows.sum(dim=-2, keepdim=True) / count.view(-1, 1, 1, 1)
@@ -236,6 +285,7 @@ def prepare(
     k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block, valid)
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
+    k_delta = k_delta + v_key_poison(v, quant, valid)  # a poisoned v row poisons its key through δK
 
     v_t, v_scale, v_mean = (v_prep or prepare_v)(v, quant, kv_lens)
     lse_shift = None
@@ -255,17 +305,27 @@ def prepare(
     )
 
 
+def v_key_poison(v: torch.Tensor, quant: Scheme, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 [B,Hkv,Nk]: 0, or NaN for the keys whose K scale group holds a poisoned v row (``token_poison``); added
+    to δK. Per token it is ``token_poison(v)``; grouped K spreads it over the group as ``group_amax`` does."""
+    poison = token_poison(v)
+    if quant.k_granularity == "per_token":
+        return poison
+    return group_amax(poison.unsqueeze(-1), quant.k_granularity, quant.k_block, valid)
+
+
 def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = None):
-    """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None)."""
+    """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None). Non-finite
+    elements of v are 0 here (their keys are poisoned through δK by ``prepare``)."""
     pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
-    vf = v.float()
+    vf = finite_or_zero(v.float())  # a poisoned v row is carried by δK (v_key_poison), not by V̂ or δV
     v_mean = None
     if quant.smooth_v:
         v_mean4 = token_mean(v, kv_lens)
         vf = vf - v_mean4
         v_mean = _pad_last(v_mean4.squeeze(-2), pad)
     if kv_lens is not None:  # padded keys must not set δV
-        vf = vf * valid_key_mask(kv_lens, v.shape[-2]).to(vf.dtype)[:, None, :, None]
+        vf = torch.where(valid_key_mask(kv_lens, v.shape[-2])[:, None, :, None], vf, 0.0)
     v_delta = (vf.abs().amax(dim=-2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # 1/δV finite
     v_hat = quantize_pv_operand(vf * (1.0 / v_delta).unsqueeze(-2), quant.pv)  # as quantize_symmetric: ·(1/δV)
     n_k = v.shape[-2]
@@ -284,7 +344,7 @@ def _pad_last(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:
 def _block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
     """Mean over consecutive groups of ``block`` tokens ([B,H,N,D] → [B,H,ceil(N/block),D])."""
     n = x.shape[-2]
-    padded = torch.nn.functional.pad(x, (0, 0, 0, (-n) % block))
+    padded = torch.nn.functional.pad(finite_or_zero(x), (0, 0, 0, (-n) % block))  # a poisoned row poisons no μQ
     sums = padded.unflatten(-2, (-1, block)).sum(dim=-2)
     starts = torch.arange(sums.shape[-2], device=x.device) * block
     counts = (n - starts).clamp(max=block).to(x.dtype)
@@ -364,7 +424,10 @@ def quantized_attention_reference(
             s = s + delta_s[:, :, rows_group, cols]
         if attn_mask is not None:
             tile = attn_mask[..., cols]
-            s = s.masked_fill(~tile, -math.inf) if tile.dtype == torch.bool else s + tile
+            if tile.dtype == torch.bool:
+                s = s.masked_fill(~tile, -math.inf)
+            else:  # a −inf entry hides the key (a select: NaN + −inf would be NaN)
+                s = torch.where(tile == -math.inf, -math.inf, s + tile)
         if allowed is not None:
             s = s.masked_fill(~allowed[:, cols], -math.inf)
         if key_valid is not None:
@@ -379,7 +442,8 @@ def quantized_attention_reference(
         o32 = o32 * alpha.unsqueeze(-1) + acc
         m = m_new
 
-    has_keys = l > 0
+    l = l + q_scale * 0.0  # a poisoned q row (δQ NaN) is NaN even where it sees no key; + 0 is exact
+    has_keys = l != 0  # NaN l (a visible poisoned key or q row): NaN out and lse
     inv = torch.where(has_keys, 1.0 / (l * P_SCALE), torch.zeros_like(l))
     vs = v_scale.repeat_interleave(group, dim=1)
     out = o32 * inv.unsqueeze(-1) * vs.unsqueeze(-2)

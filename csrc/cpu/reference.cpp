@@ -445,7 +445,10 @@ HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int6
     if (mask.is_bool) {
       for (int64_t j = 0; j < cols; ++j) s[j] = mask.allowed(b, h, i, start + j) ? s[j] : -kInf;
     } else {
-      for (int64_t j = 0; j < cols; ++j) s[j] = s[j] + mask.bias(b, h, i, start + j);
+      for (int64_t j = 0; j < cols; ++j) {  // a -inf entry hides the key: a select (NaN + -inf is NaN)
+        const float bias = mask.bias(b, h, i, start + j);
+        s[j] = bias == -kInf ? -kInf : s[j] + bias;
+      }
     }
   }
   for (int64_t j = 0; j < cols; ++j) s[j] = key_allowed(pb, b, i, start + j) ? s[j] : -kInf;
@@ -472,12 +475,12 @@ HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, in
   ws.m[r] = m_new;
 }
 
-// A row without any valid key (l == 0, or l NaN) gets lse -inf and no v_mean; its output is o32·0,
-// i.e. 0, or NaN when NaN reached o32, exactly as the spec computes it.
+// Special values (spec.py): l += 0·δQ (NaN for a poisoned q row, else exact). A row without any valid key
+// (l == 0) gets out 0, lse -inf and no v_mean; a NaN l (a visible poisoned key or q row) gives NaN out and lse.
 HOT void finish_row(const Problem& pb, const Workspace& ws, int64_t b, int64_t h, int64_t hk, int64_t i,
                        int64_t r) {
-  const float l = ws.l[r];
-  const bool has_keys = l > 0.0f;
+  const float l = ws.l[r] + pb.q_scale(b, h, i) * 0.0f;
+  const bool has_keys = l != 0.0f;
   const float inv = has_keys ? 1.0f / (l * kPScale) : 0.0f;
   const float* o32 = &ws.o32[r * pb.dp_vec];
   for (int64_t d = 0; d < pb.head_dim; ++d) {
