@@ -20,7 +20,7 @@ __device__ __forceinline__ float row_normaliser(const Params& p, float l, float 
   float lsum = l;
   lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
   lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
-  has_keys = lsum > 0.f;
+  has_keys = lsum != 0.f;  // l == 0: no key (out 0, lse −inf); a NaN l (poisoned row, spec.py) gives NaN out and lse
   if (t == 0 && row < p.nq)
     p.lse[b * p.lse_sb + h * p.lse_sh + row] = has_keys ? (m + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
   return has_keys ? 1.f / lsum : 0.f;

@@ -206,6 +206,10 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_
     fold_block(o, alpha, pv);
   }
   cp_async_wait<0>();
+  // Special values (spec.py): l += 0·δQ — NaN for a poisoned q row (δQ NaN), exact otherwise; the epilogue turns a
+  // NaN l into NaN out and lse. Two FMULs and two FADDs per thread, outside the key loop.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] += q_scale[r] * 0.f;
   store_output<D, kPairs>(p, o, m, l, row, t, b, tile.h, hk);
 }
 

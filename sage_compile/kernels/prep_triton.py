@@ -244,8 +244,8 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                                       c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES)
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
                             EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
-        acc1 += r1
-        acc2 += r2
+        acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
+        acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
     tl.store(base + cols, tl.sum(acc1, axis=0))
     tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
@@ -301,11 +301,17 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: t
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
     amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
+    # spec.quantize_symmetric's special values: a row with a NaN or ±Inf (its group, with THREAD_GROUPS) gets δ = NaN
+    # and x̂ = 0 (tl.max may drop a NaN, so the flag is its own reduction)
+    bad = tl.maximum(tl.max((tl.abs(r1) >= float("inf")) | (r1 != r1), axis=1).to(tl.int32),
+                     tl.max((tl.abs(r2) >= float("inf")) | (r2 != r2), axis=1).to(tl.int32))
     if THREAD_GROUPS:  # rows past N (−μ where there is a mean; never stored) raise no group's amax
         amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(row_ok, amax, 0.0), axis=0)
+        bad = tl.zeros([BLOCK], dtype=tl.int32) + tl.max(tl.where(row_ok, bad, 0), axis=0)
     delta, inv = _int8_scales(amax)
-    q1 = _quantized_int8(r1, inv[:, None])
-    q2 = _quantized_int8(r2, inv[:, None])
+    delta = tl.where(bad != 0, float("nan"), delta)
+    q1 = tl.where(bad[:, None] != 0, 0, _quantized_int8(r1, inv[:, None])).to(tl.int8)
+    q2 = tl.where(bad[:, None] != 0, 0, _quantized_int8(r2, inv[:, None])).to(tl.int8)
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
     tl.store(out, q1, mask=mask)
     tl.store(out + HALF, q2, mask=mask)
@@ -327,7 +333,7 @@ def _absmax_sum_kernel(x_ptr, sxb, sxh, sxn, sxd, out_ptr, H, N, TILES_PER_SPLIT
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                     mask=(rows < N)[:, None], other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.abs(x))
+        acc = tl.maximum(acc, tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0))  # finite elements only (spec)
     tl.store(out_ptr + (bh * tl.num_programs(1) + split) * D + cols, tl.max(acc, axis=0))
 
 
@@ -372,6 +378,7 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
     rows = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
                 mask=(rows < N)[:, None], other=0.0).to(tl.float32)
+    x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # spec.prepare_v: non-finite elements are 0 (δK carries them)
     y = tl.minimum(tl.maximum(_mul_rn(x, inv[None, :]), -448.0), 448.0)
     tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None],
              y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])

@@ -189,8 +189,9 @@ def _attn_block(
             if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend
                 keep = tl.load(am_tile, mask=in_bounds, other=0) != 0
                 s = tl.where(keep, s, float("-inf"))
-            else:  # fp32, added to S (base 2); -inf masks
-                s += tl.load(am_tile, mask=in_bounds, other=float("-inf"))
+            else:  # fp32, added to S (base 2); a -inf entry hides the key by a select (NaN + -inf is NaN)
+                am = tl.load(am_tile, mask=in_bounds, other=float("-inf"))
+                s = tl.where(am == float("-inf"), float("-inf"), s + am)
         if MASK:
             allowed = (offs_n < n_valid)[None, :]
             if CAUSAL:
@@ -319,8 +320,10 @@ def _attn_fwd(
             BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, HAS_MASK, MASK_IS_BOOL,
         )
 
-    l448 = l  # l summed 448·P̃
-    has_keys = l448 > 0.0
+    # l summed 448·P̃. Special values (spec.py): + 0·δQ makes a poisoned q row's l NaN (exact otherwise); l == 0 is
+    # "no key" (out 0, lse -inf), a NaN l (a visible poisoned key or q row) gives NaN out and lse.
+    l448 = l + qs * 0.0
+    has_keys = l448 != 0.0
     inv = tl.where(has_keys, 1.0 / l448, 0.0)
     vs = tl.load(VS + b64 * svs_b + hk64 * svs_h + offs_d)
     out = o * inv[:, None] * vs[None, :]
