@@ -96,7 +96,6 @@ def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Scheme
     q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
     k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
-    k_scale = k_scale + spec.v_key_poison(v, quant)  # a poisoned v row poisons its key (spec, special values)
     v_t, v_scale, v_mean = prepare_v(v, quant)
     return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
                          delta_s=None, scheme=quant)

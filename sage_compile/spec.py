@@ -17,31 +17,39 @@ Causal masks are top-left aligned (SDPA's ``is_causal``) or bottom-right (KV cac
 
 Special values — one rule, the same in every path (eager, compiled, CPU kernel, Triton, sm90). Key j is *visible* to
 query row i unless hidden by the causal alignment, by kv_lens, or by the attn_mask (a False bool entry or a −inf
-additive entry: both hide, whatever S would have been). A token is *poisoned* if its row holds a NaN or ±Inf.
+additive entry: both hide, whatever S would have been). A q or k token is *poisoned* if its row holds a NaN or ±Inf;
+a v element is poisoned if it is NaN or ±Inf and its key is valid (within kv_lens). Per output element (b, h, i, c):
 * q row i poisoned → output row i is NaN (every channel), lse NaN — also when row i sees no key.
-* k row j or v row j poisoned (any channel) → every row that sees key j is NaN in every channel, lse NaN; rows
-  that do not see key j are unaffected: finite (key j's non-finite elements count as 0 in μK, μV and δV).
-* With grouped scales (per_block Q or K, per_thread K) the poison covers the token's scale group: every token that
-  shares its δ counts as poisoned (per_token, the default, is exact).
-* A row that sees no key (bool mask all False, −inf mask everywhere, causal / kv_lens leaving none): out 0, lse −∞
-  (SDPA on torch 2.13 CPU gives 0 too; its lse is −∞ / not returned).
+* k row j poisoned → every row that sees key j is NaN in every channel, lse NaN; rows that do not see key j are
+  unaffected (key j's non-finite elements count as 0 in μK).
+* v element (b, kv-head h, key j, channel c) poisoned → channel c of every output row of the query heads of kv-head
+  h in batch b is NaN — whether or not the row sees key j, also rows that see no key; other channels and lse are
+  unaffected (this is what SDPA's own P·V does: 0·NaN spreads to every row's channel).
+* With grouped scales (per_block Q or K, per_thread K) the q/k poison covers the token's scale group: every token
+  that shares its δ counts as poisoned (per_token, the default, is exact).
+* A row that sees no key (bool mask all False, −inf mask everywhere, causal / kv_lens leaving none): out 0 in every
+  channel not NaN by the rules above, lse −∞ (SDPA on torch 2.13 CPU gives 0 too; its lse is −∞ / not returned).
 * Finite inputs (|x| up to fp16's max 65504, denormals) give finite results: δ ≥ the smallest normal float so 1/δ is
   finite, |x·(1/δ)| ≤ levels, and no fp32 intermediate (k − μK, q·μK, ΔS, S) overflows for |q|, |k| ≤ 2^56. A
   finite input that does overflow an intermediate poisons what it reaches, as a non-finite input would.
-How the poison travels, so the kernels stay cheap: the prep makes a poisoned token's scale NaN (δQ_i, and δK_j for
-a poisoned k row *or v row*: ``token_poison(v)`` is added to δK) and its 8-bit payload 0 (defined, never a cast of
-NaN); μK, μQ, μV and δV are taken over the finite elements only (a non-finite element counts as 0), so one bad
-key does not poison the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the poisoned pairs; masking
-replaces a hidden score by −∞ (a select, never an add, so NaN does not survive it); a visible NaN score makes P̃
-NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which every step after keeps.
-After the key loop l += 0·δQ_i (NaN for a poisoned q row, else exact); then l == 0 → no key (out 0, lse −∞),
-otherwise out = O32/(448·l)·δV (+ μV) and lse from log2 l — NaN whenever l is. So no kernel needs a
-NaN-propagating max, and the hot loop gains nothing but the mask select on masked tiles.
-Where SDPA differs: its NaN pattern depends on the backend — the P·V product spreads a NaN or Inf of v to every
-row (0·NaN), visible or not, an Inf k row gives finite rows on some backends, and the CPU flash kernel returns 0
-for a NaN q row; an additive mask entry of finfo.min is −∞ here (·log2 e overflows), so a row masked that way
-everywhere is 0 here, a uniform average in SDPA. NaN is our answer wherever 8-bit numerics cannot reproduce
-SDPA, never finite garbage.
+How the poison travels, so that it costs (nearly) nothing: a poisoned q/k token's scale is NaN (δQ_i, δK_j: its
+amax is non-finite) and its 8-bit payload is unspecified (the reference writes 0, the Triton prep whatever its
+rint trick makes of NaN·0) — its NaN scale makes every score it enters NaN anyway. A poisoned v channel makes
+δV_c NaN (its amax over the valid keys, taken with a non-finite element as +∞, is +∞) and its payload 0 (1/δ is
+taken as 0); V̂ carries no NaN. μK, μQ and μV are taken over the finite elements only (a non-finite element counts
+as 0), so one bad key does not poison the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the
+poisoned pairs; masking replaces a hidden score by −∞ (a select, never an add, so NaN does not survive it); a
+visible NaN score makes P̃ NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which
+every step after keeps. After the key loop l += 0·δQ_i (NaN for a poisoned q row, else exact); then l == 0 → no
+key (inv = 0, lse −∞), otherwise inv = 1/(448·l) and lse from log2 l — NaN whenever l is; every epilogue computes
+out = O32·inv·δV (+ μV where there are keys), so a NaN δV_c reaches out[:, c] of every row, including a row
+with no key (O32·0·NaN = NaN). So no kernel needs a NaN-propagating max, V is read no extra time, and the hot loop
+gains nothing but the mask select on masked tiles.
+Where SDPA differs: its NaN pattern depends on the backend — its P·V spreads a NaN or Inf of v to that channel of
+every row as here (but an Inf v element is ±Inf, not NaN, in the rows that see its key), an Inf k row gives
+finite rows on some backends, and the CPU flash kernel returns 0 for a NaN q row; an additive mask entry of
+finfo.min is −∞ here (·log2 e overflows), so a row masked that way everywhere is 0 here, a uniform average in
+SDPA. NaN is our answer wherever 8-bit numerics cannot reproduce SDPA, never finite garbage.
 
 Two halves, matching the two ops:
 
@@ -145,8 +153,9 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     quotient took six and a rare division; the prep's quantize kernels are issue-bound, so that is their speed. The two differ by one step only where x/δ lies within ~1e-5 of a
     half-integer. δ is at least the smallest normal float, so 1/δ is finite (an all-zero group quantizes to 0).
 
-    A non-finite amax (a poisoned token or group, see the module docstring) gives δ = NaN and x̂ = 0 on its tokens:
-    the select comes before the int8 cast, so no NaN or Inf is ever cast."""
+    A non-finite amax (a poisoned token or group, see the module docstring) gives δ = NaN. The rule leaves such a
+    token's x̂ unspecified (its NaN δ poisons every score it enters; the Triton prep stores what its rint trick makes
+    of NaN·0); this reference selects 0 before the int8 cast, so no NaN or Inf is ever cast here."""
     ok = torch.isfinite(amax)
     delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
     delta = torch.where(ok, delta, math.nan)
@@ -155,14 +164,8 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    """x with its non-finite elements replaced by 0: what μK, μQ, μV and δV are taken over."""
+    """x with its non-finite elements replaced by 0: what μK, μQ and μV are taken over."""
     return torch.where(torch.isfinite(x), x, 0.0)
-
-
-def token_poison(x: torch.Tensor) -> torch.Tensor:
-    """[..., N, D] → fp32 [..., N]: 0 where a token's row is finite, NaN where it holds a NaN or ±Inf. Added to a
-    scale it poisons it (δ + 0 is δ exactly)."""
-    return torch.where(torch.isfinite(x).all(dim=-1), 0.0, math.nan)
 
 
 def fma_friendly(delta: torch.Tensor) -> torch.Tensor:
@@ -285,7 +288,6 @@ def prepare(
     k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block, valid)
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
-    k_delta = k_delta + v_key_poison(v, quant, valid)  # a poisoned v row poisons its key through δK
 
     v_t, v_scale, v_mean = (v_prep or prepare_v)(v, quant, kv_lens)
     lse_shift = None
@@ -305,29 +307,27 @@ def prepare(
     )
 
 
-def v_key_poison(v: torch.Tensor, quant: Scheme, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 [B,Hkv,Nk]: 0, or NaN for the keys whose K scale group holds a poisoned v row (``token_poison``); added
-    to δK. Per token it is ``token_poison(v)``; grouped K spreads it over the group as ``group_amax`` does."""
-    poison = token_poison(v)
-    if quant.k_granularity == "per_token":
-        return poison
-    return group_amax(poison.unsqueeze(-1), quant.k_granularity, quant.k_block, valid)
-
-
 def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = None):
-    """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None). Non-finite
-    elements of v are 0 here (their keys are poisoned through δK by ``prepare``)."""
+    """Step 5's V half: (V̂ᵀ [B,Hkv,Dp,Nk_pad16] e4m3|fp16, δV [B,Hkv,Dp], μV [B,Hkv,Dp] or None).
+
+    Special values (module docstring): a channel with a non-finite element among the valid keys gets δV = NaN and
+    V̂ = 0 (1/δ taken as 0: the payload never holds a NaN); μV is over the finite elements."""
     pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
-    vf = finite_or_zero(v.float())  # a poisoned v row is carried by δK (v_key_poison), not by V̂ or δV
+    vf = v.float()
     v_mean = None
     if quant.smooth_v:
         v_mean4 = token_mean(v, kv_lens)
         vf = vf - v_mean4
         v_mean = _pad_last(v_mean4.squeeze(-2), pad)
-    if kv_lens is not None:  # padded keys must not set δV
+    if kv_lens is not None:  # padded keys must not set δV (a select: a poisoned padded key poisons nothing)
         vf = torch.where(valid_key_mask(kv_lens, v.shape[-2])[:, None, :, None], vf, 0.0)
-    v_delta = (vf.abs().amax(dim=-2) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # 1/δV finite
-    v_hat = quantize_pv_operand(vf * (1.0 / v_delta).unsqueeze(-2), quant.pv)  # as quantize_symmetric: ·(1/δV)
+    finite = torch.isfinite(vf)
+    amax = torch.where(finite, vf.abs(), math.inf).amax(dim=-2)  # +∞ for a poisoned channel (NaN counts as +∞)
+    poisoned = torch.isinf(amax)
+    v_delta = torch.where(poisoned, 1.0, (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny))  # 1/δV finite
+    inv = torch.where(poisoned, 0.0, 1.0 / v_delta)  # a poisoned channel's payload is 0
+    v_hat = quantize_pv_operand(torch.where(finite, vf, 0.0) * inv.unsqueeze(-2), quant.pv)  # as quantize_symmetric
+    v_delta = torch.where(poisoned, math.nan, v_delta)
     n_k = v.shape[-2]
     v_t = v_hat.transpose(-1, -2)
     token_pad = (-n_k) % 16

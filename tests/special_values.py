@@ -74,28 +74,35 @@ def visible_keys(case: Case, mask, kv_lens, device="cpu") -> torch.Tensor:
 
 
 def predicted(case: Case, q, k, v, mask, kv_lens):
-    """(nan_rows, empty_rows), bool [B, Hq, Nq] each: the rule's NaN rows (a poisoned q row, or a visible poisoned
-    k/v row — per token, the default scheme's granularity) and the rows that see no key (output 0 unless NaN)."""
+    """(nan, empty_rows, nan_lse): the rule's NaN elements, bool [B, Hq, Nq, D] — every channel of a poisoned q row
+    and of a row that sees a poisoned k key (per token, the default scheme's granularity), and channel c of every row
+    of the query heads of kv-head h where v[b, h, j, c] is non-finite for a valid key j (kv_lens); the rows that see
+    no key, bool [B, Hq, Nq] (0 in their channels not NaN); and the rows whose lse is NaN (q row or visible k key
+    poisoned: v's poison leaves lse alone)."""
     vis = visible_keys(case, mask, kv_lens, q.device)
     group = case.hq // case.hkv
     q_bad = ~torch.isfinite(q).all(-1)
-    kv_bad = (~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)).repeat_interleave(group, dim=1)
-    nan_rows = q_bad | (vis & kv_bad[:, :, None, :]).any(-1)
+    k_bad = (~torch.isfinite(k).all(-1)).repeat_interleave(group, dim=1)
+    nan_lse = q_bad | (vis & k_bad[:, :, None, :]).any(-1)
+    v_bad = ~torch.isfinite(v)
+    if kv_lens is not None:
+        v_bad = v_bad & spec.valid_key_mask(kv_lens, case.n_k)[:, None, :, None]
+    v_channels = v_bad.any(-2).repeat_interleave(group, dim=1)  # [B, Hq, D]
+    nan = nan_lse[..., None] | v_channels[:, :, None, :]
     empty_rows = ~vis.any(-1)
-    return nan_rows, empty_rows
+    return nan, empty_rows, nan_lse
 
 
-def check_pattern(out: torch.Tensor, nan_rows: torch.Tensor, empty_rows: torch.Tensor, label: str) -> None:
-    """NaN rows: every channel NaN; other rows: every channel finite; rows with no key (not NaN): exactly 0."""
+def check_pattern(out: torch.Tensor, nan: torch.Tensor, empty_rows: torch.Tensor, label: str) -> None:
+    """Per element: predicted NaN elements are NaN, all others finite; rows with no key are exactly 0 in their
+    channels that are not NaN."""
     out = out.float()
-    all_nan = out.isnan().all(-1)
-    finite = out.isfinite().all(-1)
-    wrong_nan = (nan_rows & ~all_nan).nonzero()[:5].tolist()
-    wrong_fin = (~nan_rows & ~finite).nonzero()[:5].tolist()
-    assert not wrong_nan, f"{label}: rows predicted NaN are not all-NaN: {wrong_nan}"
-    assert not wrong_fin, f"{label}: rows predicted finite are not finite: {wrong_fin}"
-    zero = empty_rows & ~nan_rows
-    assert (out[zero] == 0).all(), f"{label}: rows that see no key must be 0"
+    wrong_nan = (nan & ~out.isnan()).nonzero()[:5].tolist()
+    wrong_fin = (~nan & ~out.isfinite()).nonzero()[:5].tolist()
+    assert not wrong_nan, f"{label}: elements predicted NaN are not NaN: {wrong_nan}"
+    assert not wrong_fin, f"{label}: elements predicted finite are not finite: {wrong_fin}"
+    zero = empty_rows[..., None] & ~nan
+    assert (out[zero] == 0).all(), f"{label}: rows that see no key must be 0 (outside their NaN channels)"
 
 
 def sdpa_reference(case: Case, q, k, v, mask, kv_lens) -> torch.Tensor:

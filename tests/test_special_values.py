@@ -2,10 +2,10 @@
 fp16-max and denormal values, fully masked rows (bool and −inf masks), causal both alignments, kv_lens, GQA.
 
 Every CPU path — eager ``sage_attention``, ``torch.compile(backend="sage")`` (aot_eager, and one case through
-Inductor), the C++ kernel, the spec's reference — gives the NaN/finite pattern the rule predicts from the rows'
-visibility (tests/special_values.py), and where no row sees a non-finite input the result is close to fp32 SDPA.
-(SDPA's own NaN pattern depends on its backend — its P·V spreads a NaN v to every row — so the comparison is with
-the rule's prediction, and with SDPA's values where the rule says finite.)"""
+Inductor), the C++ kernel, the spec's reference — gives the per-element NaN/finite pattern the rule predicts from
+the rows' visibility and v's poisoned channels (tests/special_values.py), and where the rule says finite the
+result is close to fp32 SDPA. (SDPA's own NaN pattern depends on its backend, so the comparison is with the rule's
+prediction, and with SDPA's values where both are finite.)"""
 import math
 
 import pytest
@@ -45,30 +45,27 @@ def _kernel_and_reference(case, q, k, v, mask, kv_lens):
 
 def _check_all(case, compiled=None, close=True):
     q, k, v, mask, kv_lens = case.tensors()
-    nan_rows, empty_rows = predicted(case, q, k, v, mask, kv_lens)
+    nan, empty_rows, nan_lse = predicted(case, q, k, v, mask, kv_lens)
     eager = _eager(case, q, k, v, mask, kv_lens)
-    check_pattern(eager, nan_rows, empty_rows, "eager")
+    check_pattern(eager, nan, empty_rows, "eager")
     out, lse, ref, ref_lse = _kernel_and_reference(case, q, k, v, mask, kv_lens)
-    check_pattern(out, nan_rows, empty_rows, "C++ kernel")
-    check_pattern(ref, nan_rows, empty_rows, "spec reference")
+    check_pattern(out, nan, empty_rows, "C++ kernel")
+    check_pattern(ref, nan, empty_rows, "spec reference")
     # the C++ kernel is the spec bit for bit, and eager runs it: NaN matches NaN
     same = (out.view(torch.int16) == ref.view(torch.int16)) | (out.isnan() & ref.isnan())
     assert same.all(), "C++ kernel differs from the spec reference"
     assert torch.equal(eager.isnan(), out.isnan())
-    assert torch.equal(lse.isnan(), nan_rows) and torch.equal(ref_lse.isnan(), nan_rows), "lse NaN pattern"
-    assert torch.equal(lse == -math.inf, empty_rows & ~nan_rows), "lse −inf exactly where no key is seen"
+    assert torch.equal(lse.isnan(), nan_lse) and torch.equal(ref_lse.isnan(), nan_lse), "lse NaN pattern"
+    assert torch.equal(lse == -math.inf, empty_rows & ~nan_lse), "lse −inf exactly where no key is seen"
     if compiled is not None:
-        check_pattern(compiled(q, k, v, mask), nan_rows, empty_rows, "compiled")
+        check_pattern(compiled(q, k, v, mask), nan, empty_rows, "compiled")
     if close:
         sdpa = sdpa_reference(case, q, k, v, mask, kv_lens)
-        rows = ~nan_rows & ~empty_rows
-        if rows.any():
-            # rows that see no poisoned input: close to SDPA (SDPA may be NaN there — 0·NaN in its P·V — so its
-            # answer is compared only where it is finite)
-            ok = rows & sdpa.isfinite().all(-1)
-            if ok.any():
-                assert cosine(eager.float()[ok], sdpa[ok]) > 0.99
-    return nan_rows
+        # the elements the rule says finite, of rows that see keys: close to SDPA where SDPA is finite too
+        ok = ~nan & ~empty_rows[..., None] & sdpa.isfinite()
+        if ok.any():
+            assert cosine(eager.float()[ok], sdpa[ok]) > 0.99
+    return nan
 
 
 def _injection(draw, which=None):
@@ -135,23 +132,26 @@ def test_poison_pattern_inductor(which):
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 @pytest.mark.parametrize("value", VALUES)
 def test_one_poisoned_token_causal(which, value):
-    """The issue's cases: a NaN / Inf in q keeps one NaN row; in k or v, exactly the rows that see the key."""
+    """The issue's cases: a NaN / Inf in q keeps one NaN row; in k, exactly the rows that see the key; in v, its
+    channel of every row of the kv-head's query heads (also the rows before it, which do not see the key)."""
     case = Case(n_q=70, n_k=70, causal=spec.CAUSAL_TOP_LEFT, injections=[(which, 0, 0, 5, 3, value)])
-    nan_rows = _check_all(case)
-    head = nan_rows[0, 0]
-    expected = torch.zeros(70, dtype=torch.bool)
+    nan = _check_all(case)
+    expected = torch.zeros(70, 64, dtype=torch.bool)
     if which == "q":
         expected[5] = True
-    else:
+    elif which == "k":
         expected[5:] = True
-    assert torch.equal(head, expected)
-    assert not nan_rows[0, 2:].any()  # the other key head (GQA: query heads 2, 3)
+    else:
+        expected[:, 3] = True
+    assert torch.equal(nan[0, 0], expected) and torch.equal(nan[0, 1], expected if which != "q" else nan[0, 1])
+    assert not nan[0, 2:].any()  # the other key head (GQA: query heads 2, 3)
 
 
 @pytest.mark.parametrize("mask", ["bool", "additive"])
 def test_hidden_poisoned_key_and_closed_rows(mask):
-    """A poisoned key hidden by the mask (False / −inf) poisons no row; rows closed by the mask are 0, lse −∞ —
-    a poisoned q row stays NaN even when closed (as SDPA)."""
+    """A poisoned k key hidden by the mask (False / −inf) poisons no row; a poisoned v element poisons its channel
+    of every row of its kv-head's query heads, hidden or not; rows closed by the mask are 0 (outside that channel),
+    lse −∞ — a poisoned q row stays NaN even when closed (as SDPA)."""
     case = Case(n_q=20, n_k=70, mask=mask, closed_rows=[3, 7], injections=[("q", 0, 0, 7, 1, "nan")])
     q, k, v, m, kv_lens = case.tensors()
     m = m.clone()
@@ -161,12 +161,15 @@ def test_hidden_poisoned_key_and_closed_rows(mask):
         m[..., 10] = -math.inf
     k[0, 0, 10, 0] = math.inf
     v[0, 1, 10, 0] = math.nan
-    nan_rows, empty_rows = predicted(case, q, k, v, m, kv_lens)
-    assert empty_rows[0, :, 3].all() and nan_rows[0, 0, 7] and nan_rows.sum() == 1
-    check_pattern(_eager(case, q, k, v, m, kv_lens), nan_rows, empty_rows, "eager")
+    nan, empty_rows, nan_lse = predicted(case, q, k, v, m, kv_lens)
+    assert empty_rows[0, :, 3].all() and nan[0, 0, 7].all() and nan_lse.sum() == 1
+    assert nan[0, 2:, :, 0].all() and nan.sum() == 64 + 2 * 20  # v's channel 0 of query heads 2, 3: every row
+    check_pattern(_eager(case, q, k, v, m, kv_lens), nan, empty_rows, "eager")
     out, lse, ref, _ = _kernel_and_reference(case, q, k, v, m, kv_lens)
-    check_pattern(out, nan_rows, empty_rows, "C++ kernel")
-    assert lse[0, :, 3].eq(-math.inf).all() and lse[0, 0, 7].isnan()
+    check_pattern(out, nan, empty_rows, "C++ kernel")
+    check_pattern(ref, nan, empty_rows, "spec reference")
+    assert out[0, 2, 3, 0].isnan() and (out[0, 2, 3, 1:] == 0).all()  # a closed row: NaN in v's channel, else 0
+    assert lse[0, :, 3].eq(-math.inf).all() and lse[0, 0, 7].isnan() and not lse[0, 2:].isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -179,8 +182,8 @@ def test_huge_and_denormal_values_stay_finite(dtype, value, which):
     if value == "denormal":  # whole rows of denormals too
         injections += [(which, 0, 2, 11, c, value) for c in range(64)]
     case = Case(n_q=70, n_k=70, dtype=dtype, causal=spec.CAUSAL_BOTTOM_RIGHT, injections=injections)
-    nan_rows = _check_all(case, close=value == "denormal")
-    assert not nan_rows.any()
+    nan = _check_all(case, close=value == "denormal")
+    assert not nan.any()
 
 
 def test_all_huge_values_finite():
@@ -193,7 +196,6 @@ def test_all_huge_values_finite():
         assert getattr(p, name).isfinite().all(), name
     out = _eager(case, q, k, v, None, None)
     assert out.isfinite().all()
-    nan_rows, empty = predicted(case, q, k, v, None, None)
     o2, lse, ref, _ = _kernel_and_reference(case, q, k, v, None, None)
     assert o2.isfinite().all() and lse.isfinite().all()
 
@@ -203,7 +205,8 @@ def test_all_huge_values_finite():
                                     dict(k_granularity="per_thread")])
 def test_other_schemes_keep_poison_local(scheme):
     """μQ, μV and μK (sampled or not) over finite elements: one poisoned token does not spread beyond its scale
-    group. Per token the rule is exact; grouped K scales poison the whole group (spec)."""
+    group, one poisoned v element beyond its channel. Per token the rule is exact; grouped K scales poison the whole
+    group (spec)."""
     quant = CONFIG.scheme.replace(**scheme)
     case = Case(n_q=70, n_k=140, causal=spec.CAUSAL_TOP_LEFT,
                 injections=[("q", 0, 0, 40, 2, "nan"), ("k", 0, 0, 50, 0, "inf"), ("v", 0, 0, 100, 9, "nan")])
@@ -218,11 +221,15 @@ def test_other_schemes_keep_poison_local(scheme):
     assert torch.equal(out.isnan(), ref.isnan())
     poisoned_keys = p.k_scale[0, 0].isnan()  # key head 0 = query heads 0, 1
     first_bad = int(poisoned_keys.nonzero()[0]) if poisoned_keys.any() else 70
-    rows = out[0, 0].isnan().all(-1)
+    others = torch.arange(64) != 9  # v's poisoned channel: NaN in every row of query heads 0, 1
+    assert out[0, :2, :, 9].isnan().all()
+    rows = out[0, 0][:, others].isnan().all(-1)
+    assert torch.equal(rows, out[0, 0][:, others].isnan().any(-1))  # the rest: whole rows NaN or finite
     expected = torch.arange(70) >= first_bad
     expected[40] = True  # the poisoned q row (its Q scale group, per_token here)
     assert torch.equal(rows, expected)
     if quant.k_granularity == "per_token":
         assert first_bad == 50
     assert not out[0, 2:].isnan().any()  # the other key head: nothing
-    assert not out[0, 1, :first_bad].isnan().any()
+    assert not out[0, 1, :first_bad][:, others].isnan().any()
+    assert torch.equal(p.v_scale[0, 0].isnan(), others.logical_not()) and not p.v_scale[0, 1].isnan().any()
