@@ -477,6 +477,7 @@ HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, in
 
 // Special values (spec.py): l += 0·δQ (NaN for a poisoned q row, else exact). A row without any valid key
 // (l == 0) gets out 0, lse -inf and no v_mean; a NaN l (a visible poisoned key or q row) gives NaN out and lse.
+// A NaN δV (a poisoned v channel) reaches that channel of every row through the product, o32·0·NaN included.
 HOT void finish_row(const Problem& pb, const Workspace& ws, int64_t b, int64_t h, int64_t hk, int64_t i,
                        int64_t r) {
   const float l = ws.l[r] + pb.q_scale(b, h, i) * 0.0f;

@@ -300,18 +300,16 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: t
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
-    amax = tl.maximum(tl.max(tl.abs(r1), axis=1), tl.max(tl.abs(r2), axis=1))
-    # spec.quantize_symmetric's special values: a row with a NaN or ±Inf (its group, with THREAD_GROUPS) gets δ = NaN
-    # and x̂ = 0 (tl.max may drop a NaN, so the flag is its own reduction)
-    bad = tl.maximum(tl.max((tl.abs(r1) >= float("inf")) | (r1 != r1), axis=1).to(tl.int32),
-                     tl.max((tl.abs(r2) >= float("inf")) | (r2 != r2), axis=1).to(tl.int32))
+    # spec's special values: a NaN counts as +inf in the amax (tl.max may drop a NaN; |±Inf| is +inf already), so a
+    # poisoned row (its group, with THREAD_GROUPS) has amax = inf, δ = NaN below and an unspecified payload (1/δ = 0)
+    amax = tl.maximum(tl.max(tl.where(r1 == r1, tl.abs(r1), float("inf")), axis=1),
+                      tl.max(tl.where(r2 == r2, tl.abs(r2), float("inf")), axis=1))
     if THREAD_GROUPS:  # rows past N (−μ where there is a mean; never stored) raise no group's amax
         amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(row_ok, amax, 0.0), axis=0)
-        bad = tl.zeros([BLOCK], dtype=tl.int32) + tl.max(tl.where(row_ok, bad, 0), axis=0)
     delta, inv = _int8_scales(amax)
-    delta = tl.where(bad != 0, float("nan"), delta)
-    q1 = tl.where(bad[:, None] != 0, 0, _quantized_int8(r1, inv[:, None])).to(tl.int8)
-    q2 = tl.where(bad[:, None] != 0, 0, _quantized_int8(r2, inv[:, None])).to(tl.int8)
+    delta = tl.where(amax < float("inf"), delta, float("nan"))  # after _int8_scales: its bit trick on inf means nothing
+    q1 = _quantized_int8(r1, inv[:, None])
+    q2 = _quantized_int8(r2, inv[:, None])
     out = out_ptr + (bh * N + rows[:, None]) * (2 * HALF) + cols[None, :]
     tl.store(out, q1, mask=mask)
     tl.store(out + HALF, q2, mask=mask)
@@ -333,7 +331,8 @@ def _absmax_sum_kernel(x_ptr, sxb, sxh, sxn, sxd, out_ptr, H, N, TILES_PER_SPLIT
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                     mask=(rows < N)[:, None], other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0))  # finite elements only (spec)
+        # spec.prepare_v: a NaN or ±Inf element counts as +inf (a NaN compares false), so a poisoned channel's amax is inf
+        acc = tl.maximum(acc, tl.where(tl.abs(x) < float("inf"), tl.abs(x), float("inf")))
     tl.store(out_ptr + (bh * tl.num_programs(1) + split) * D + cols, tl.max(acc, axis=0))
 
 
@@ -371,14 +370,18 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
-    delta = _e4m3_scale(tl.load(amax_ptr + bh * D + cols))
+    amax = tl.load(amax_ptr + bh * D + cols)
+    delta = _e4m3_scale(amax)
+    inv = _div_rn(tl.full([D], 1.0, tl.float32), delta)
+    poisoned = amax == float("inf")  # spec.prepare_v: δV NaN, payload 0 (inv = 0) for a channel holding a NaN or ±Inf
+    delta = tl.where(poisoned, float("nan"), delta)
+    inv = tl.where(poisoned, 0.0, inv)
     if tile == 0:
         tl.store(delta_ptr + bh * D + cols, delta)
-    inv = _div_rn(tl.full([D], 1.0, tl.float32), delta)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd,
                 mask=(rows < N)[:, None], other=0.0).to(tl.float32)
-    x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # spec.prepare_v: non-finite elements are 0 (δK carries them)
+    x = tl.where(tl.abs(x) < float("inf"), x, 0.0)  # spec.prepare_v: non-finite elements are 0 (δV carries them)
     y = tl.minimum(tl.maximum(_mul_rn(x, inv[None, :]), -448.0), 448.0)
     tl.store(out_ptr + bh * D * N_PAD + cols[None, :] * N_PAD + rows[:, None],
              y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])

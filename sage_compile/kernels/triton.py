@@ -321,7 +321,8 @@ def _attn_fwd(
         )
 
     # l summed 448·P̃. Special values (spec.py): + 0·δQ makes a poisoned q row's l NaN (exact otherwise); l == 0 is
-    # "no key" (out 0, lse -inf), a NaN l (a visible poisoned key or q row) gives NaN out and lse.
+    # "no key" (out 0, lse -inf), a NaN l (a visible poisoned key or q row) gives NaN out and lse. A NaN δV (a
+    # poisoned v channel) reaches that channel of every row through the product below, o·0·NaN included.
     l448 = l + qs * 0.0
     has_keys = l448 != 0.0
     inv = tl.where(has_keys, 1.0 / l448, 0.0)
