@@ -15,13 +15,15 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
 7. LSE: natural-log log-sum-exp of the smoothed scores (``Prepared.lse_shift`` turns it into SDPA's).
 Causal masks are top-left aligned (SDPA's ``is_causal``) or bottom-right (KV cache), named explicitly.
 
-Special values — one rule, the same in every path (eager, compiled, CPU kernel, Triton, sm90). Key j is *visible* to
-query row i unless hidden by the causal alignment, by kv_lens, or by the attn_mask (a False bool entry or a −inf
-additive entry: both hide, whatever S would have been). A q or k token is *poisoned* if its row holds a NaN or ±Inf;
-a v element is poisoned if it is NaN or ±Inf and its key is valid (within kv_lens). Per output element (b, h, i, c):
+Special values — one rule, the same in every path (eager, compiled, CPU kernel, Triton, sm90). Key j *reaches* query
+row i unless the causal alignment or kv_lens hides it (its score is never formed); it is *visible* to row i if it
+reaches it and the attn_mask does not mask it (a False bool entry or a −inf additive entry). The mask is added to S,
+as SDPA adds it: a masked key's weight is 0, but a NaN score stays NaN (NaN + −∞ is NaN). A q or k token is
+*poisoned* if its row holds a NaN or ±Inf; a v element is poisoned if it is NaN or ±Inf and its key is valid (within
+kv_lens). Per output element (b, h, i, c):
 * q row i poisoned → output row i is NaN (every channel), lse NaN — also when row i sees no key.
-* k row j poisoned → every row that sees key j is NaN in every channel, lse NaN; rows that do not see key j are
-  unaffected (key j's non-finite elements count as 0 in μK).
+* k row j poisoned → every row key j reaches (masked or not) is NaN in every channel, lse NaN; rows it does not
+  reach are unaffected (key j's non-finite elements count as 0 in μK).
 * v element (b, kv-head h, key j, channel c) poisoned → channel c of every output row of the query heads of kv-head
   h in batch b is NaN — whether or not the row sees key j, also rows that see no key; other channels and lse are
   unaffected (this is what SDPA's own P·V does: 0·NaN spreads to every row's channel).
@@ -31,23 +33,25 @@ a v element is poisoned if it is NaN or ±Inf and its key is valid (within kv_le
   channel not NaN by the rules above, lse −∞ (SDPA on torch 2.13 CPU gives 0 too; its lse is −∞ / not returned).
 * Finite inputs (|x| up to fp16's max 65504, denormals) give finite results: δ ≥ the smallest normal float so 1/δ is
   finite, |x·(1/δ)| ≤ levels, and no fp32 intermediate (k − μK, q·μK, ΔS, S) overflows for |q|, |k| ≤ 2^56. A
-  finite input that does overflow an intermediate poisons what it reaches, as a non-finite input would.
+  finite input that does overflow an intermediate poisons what it reaches, as a non-finite input would. An fp16
+  output saturates at ±65504 (``saturate``: 8-bit rounding can carry an average of ±65504 values one step past it).
 How the poison travels, so that it costs (nearly) nothing: a poisoned q/k token's scale is NaN (δQ_i, δK_j: its
 amax is non-finite) and its 8-bit payload is unspecified (the reference writes 0, the Triton prep whatever its
 rint trick makes of NaN·0) — its NaN scale makes every score it enters NaN anyway. A poisoned v channel makes
 δV_c NaN (its amax over the valid keys, taken with a non-finite element as +∞, is +∞) and its payload 0 (1/δ is
 taken as 0); V̂ carries no NaN. μK, μQ and μV are taken over the finite elements only (a non-finite element counts
 as 0), so one bad key does not poison the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the
-poisoned pairs; masking replaces a hidden score by −∞ (a select, never an add, so NaN does not survive it); a
-visible NaN score makes P̃ NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which
+poisoned pairs; causal and kv_lens replace a hidden score by −∞ (a select), the attn_mask is added; a NaN score
+that reaches the row makes P̃ NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which
 every step after keeps. After the key loop l += 0·δQ_i (NaN for a poisoned q row, else exact); then l == 0 → no
 key (inv = 0, lse −∞), otherwise inv = 1/(448·l) and lse from log2 l — NaN whenever l is; every epilogue computes
 out = O32·inv·δV (+ μV where there are keys), so a NaN δV_c reaches out[:, c] of every row, including a row
 with no key (O32·0·NaN = NaN). So no kernel needs a NaN-propagating max, V is read no extra time, and the hot loop
-gains nothing but the mask select on masked tiles.
-Where SDPA differs: its NaN pattern depends on the backend — its P·V spreads a NaN or Inf of v to that channel of
-every row as here (but an Inf v element is ±Inf, not NaN, in the rows that see its key), an Inf k row gives
-finite rows on some backends, and the CPU flash kernel returns 0 for a NaN q row; an additive mask entry of
+gains no instruction.
+Where SDPA differs: its NaN pattern depends on the backend and the data — a masked +∞ score is NaN there, a masked
+−∞ one is not (here every masked poisoned key poisons the rows it reaches); its P·V spreads a NaN or Inf of v to that
+channel of every row as here (but an Inf v element is ±Inf, not NaN, in the rows that see its key), an Inf k row
+gives finite rows on some backends, and the CPU flash kernel returns 0 for a NaN q row; an additive mask entry of
 finfo.min is −∞ here (·log2 e overflows), so a row masked that way everywhere is 0 here, a uniform average in
 SDPA. NaN is our answer wherever 8-bit numerics cannot reproduce SDPA, never finite garbage.
 
@@ -82,6 +86,7 @@ from .scheme import PV_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
 LOG2E = math.log2(math.e)
 P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
 E4M3_MAX = 448.0
+FP16_MAX = 65504.0  # fp16 outputs saturate here (``saturate``)
 REFERENCE_BLOCK_N = 64  # key block of the reference's online softmax (the CPU kernel uses the same)
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
@@ -424,10 +429,8 @@ def quantized_attention_reference(
             s = s + delta_s[:, :, rows_group, cols]
         if attn_mask is not None:
             tile = attn_mask[..., cols]
-            if tile.dtype == torch.bool:
-                s = s.masked_fill(~tile, -math.inf)
-            else:  # a −inf entry hides the key (a select: NaN + −inf would be NaN)
-                s = torch.where(tile == -math.inf, -math.inf, s + tile)
+            # added, as SDPA adds it (a bool False is −inf): a hidden key's weight is 0, its NaN score stays NaN
+            s = s + (torch.where(tile, 0.0, -math.inf) if tile.dtype == torch.bool else tile)
         if allowed is not None:
             s = s.masked_fill(~allowed[:, cols], -math.inf)
         if key_valid is not None:
@@ -443,7 +446,7 @@ def quantized_attention_reference(
         m = m_new
 
     l = l + q_scale * 0.0  # a poisoned q row (δQ NaN) is NaN even where it sees no key; + 0 is exact
-    has_keys = l != 0  # NaN l (a visible poisoned key or q row): NaN out and lse
+    has_keys = l != 0  # NaN l (a poisoned q row or a key reaching it): NaN out, lse
     inv = torch.where(has_keys, 1.0 / (l * P_SCALE), torch.zeros_like(l))
     vs = v_scale.repeat_interleave(group, dim=1)
     out = o32 * inv.unsqueeze(-1) * vs.unsqueeze(-2)
@@ -451,7 +454,15 @@ def quantized_attention_reference(
         vm = v_mean.repeat_interleave(group, dim=1)
         out = out + torch.where(has_keys.unsqueeze(-1), vm.unsqueeze(-2), torch.zeros_like(out))
     lse = torch.where(has_keys, (m + torch.log2(l)) / LOG2E, torch.full_like(l, -math.inf))
-    return out[..., :head_dim].to(out_dtype), lse
+    return saturate(out[..., :head_dim], out_dtype), lse
+
+
+def saturate(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out in out_dtype; fp16 saturates at ±65504 (8-bit rounding can carry an average of ±65504 values a step past
+    it), NaN stays NaN. bf16 and fp32 hold fp32's range: nothing to saturate."""
+    if out_dtype == torch.float16:
+        out = out.clamp(-FP16_MAX, FP16_MAX)  # clamp keeps NaN
+    return out.to(out_dtype)
 
 
 def kernel_mask(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

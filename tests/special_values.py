@@ -60,14 +60,21 @@ def special_value(name: str, dtype: torch.dtype) -> float:
     raise ValueError(name)
 
 
-def visible_keys(case: Case, mask, kv_lens, device="cpu") -> torch.Tensor:
-    """bool [B, Hq, Nq, Nk]: key j is visible to row i (not hidden by causal, kv_lens or the mask)."""
-    vis = torch.ones(case.batch, case.hq, case.n_q, case.n_k, dtype=torch.bool, device=device)
+def reaching_keys(case: Case, kv_lens, device="cpu") -> torch.Tensor:
+    """bool [B, Hq, Nq, Nk]: key j reaches row i (not hidden by causal or kv_lens; the mask is added to S, so a masked
+    key still carries its poison)."""
+    reach = torch.ones(case.batch, case.hq, case.n_q, case.n_k, dtype=torch.bool, device=device)
     allowed = spec.causal_allowed(case.n_q, case.n_k, case.causal, device)
     if allowed is not None:
-        vis = vis & allowed
+        reach = reach & allowed
     if kv_lens is not None:
-        vis = vis & spec.valid_key_mask(kv_lens, case.n_k)[:, None, None, :]
+        reach = reach & spec.valid_key_mask(kv_lens, case.n_k)[:, None, None, :]
+    return reach
+
+
+def visible_keys(case: Case, mask, kv_lens, device="cpu") -> torch.Tensor:
+    """bool [B, Hq, Nq, Nk]: key j is visible to row i (reaches it and is not masked)."""
+    vis = reaching_keys(case, kv_lens, device)
     if mask is not None:
         vis = vis & (mask if mask.dtype == torch.bool else mask != -math.inf)
     return vis
@@ -75,15 +82,15 @@ def visible_keys(case: Case, mask, kv_lens, device="cpu") -> torch.Tensor:
 
 def predicted(case: Case, q, k, v, mask, kv_lens):
     """(nan, empty_rows, nan_lse): the rule's NaN elements, bool [B, Hq, Nq, D] — every channel of a poisoned q row
-    and of a row that sees a poisoned k key (per token, the default scheme's granularity), and channel c of every row
+    and of a row a poisoned k key reaches (per token, the default scheme's granularity), and channel c of every row
     of the query heads of kv-head h where v[b, h, j, c] is non-finite for a valid key j (kv_lens); the rows that see
-    no key, bool [B, Hq, Nq] (0 in their channels not NaN); and the rows whose lse is NaN (q row or visible k key
+    no key, bool [B, Hq, Nq] (0 in their channels not NaN); and the rows whose lse is NaN (q row or reaching k key
     poisoned: v's poison leaves lse alone)."""
     vis = visible_keys(case, mask, kv_lens, q.device)
     group = case.hq // case.hkv
     q_bad = ~torch.isfinite(q).all(-1)
     k_bad = (~torch.isfinite(k).all(-1)).repeat_interleave(group, dim=1)
-    nan_lse = q_bad | (vis & k_bad[:, :, None, :]).any(-1)
+    nan_lse = q_bad | (reaching_keys(case, kv_lens, q.device) & k_bad[:, :, None, :]).any(-1)
     v_bad = ~torch.isfinite(v)
     if kv_lens is not None:
         v_bad = v_bad & spec.valid_key_mask(kv_lens, case.n_k)[:, None, :, None]

@@ -148,28 +148,26 @@ def test_one_poisoned_token_causal(which, value):
 
 
 @pytest.mark.parametrize("mask", ["bool", "additive"])
-def test_hidden_poisoned_key_and_closed_rows(mask):
-    """A poisoned k key hidden by the mask (False / −inf) poisons no row; a poisoned v element poisons its channel
-    of every row of its kv-head's query heads, hidden or not; rows closed by the mask are 0 (outside that channel),
-    lse −∞ — a poisoned q row stays NaN even when closed (as SDPA)."""
-    case = Case(n_q=20, n_k=70, mask=mask, closed_rows=[3, 7], injections=[("q", 0, 0, 7, 1, "nan")])
+def test_masked_poisoned_key_and_closed_rows(mask):
+    """The mask is added to S, as SDPA adds it: a poisoned k key that the mask (False / −inf) masks still poisons every
+    row of its kv-head's query heads, closed rows included; one past kv_lens poisons none. A poisoned v element poisons
+    its channel of every row of its kv-head's query heads; rows closed by the mask are otherwise 0 with lse −∞."""
+    case = Case(n_q=20, n_k=70, mask=mask, closed_rows=[3, 7], kv_lens=[60], injections=[("q", 0, 0, 7, 1, "nan")])
     q, k, v, m, kv_lens = case.tensors()
     m = m.clone()
-    if mask == "bool":
-        m[..., 10] = False
-    else:
-        m[..., 10] = -math.inf
-    k[0, 0, 10, 0] = math.inf
-    v[0, 1, 10, 0] = math.nan
+    m[..., 10] = False if mask == "bool" else -math.inf
+    k[0, 0, 10, 0] = math.inf  # masked for every row: query heads 0, 1 NaN
+    k[0, 1, 65, 0] = math.nan  # past kv_lens: nothing
+    v[0, 1, 10, 0] = math.nan  # channel 0 of query heads 2, 3
     nan, empty_rows, nan_lse = predicted(case, q, k, v, m, kv_lens)
-    assert empty_rows[0, :, 3].all() and nan[0, 0, 7].all() and nan_lse.sum() == 1
-    assert nan[0, 2:, :, 0].all() and nan.sum() == 64 + 2 * 20  # v's channel 0 of query heads 2, 3: every row
+    assert empty_rows[0, :, 3].all() and nan_lse[0, :2].all() and nan_lse.sum() == 2 * 20
+    assert nan[0, :2].all() and nan[0, 2:, :, 0].all() and nan.sum() == 2 * 20 * 64 + 2 * 20
     check_pattern(_eager(case, q, k, v, m, kv_lens), nan, empty_rows, "eager")
     out, lse, ref, _ = _kernel_and_reference(case, q, k, v, m, kv_lens)
     check_pattern(out, nan, empty_rows, "C++ kernel")
     check_pattern(ref, nan, empty_rows, "spec reference")
     assert out[0, 2, 3, 0].isnan() and (out[0, 2, 3, 1:] == 0).all()  # a closed row: NaN in v's channel, else 0
-    assert lse[0, :, 3].eq(-math.inf).all() and lse[0, 0, 7].isnan() and not lse[0, 2:].isnan().any()
+    assert lse[0, 2:, 3].eq(-math.inf).all() and lse[0, :2].isnan().all() and not lse[0, 2:].isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -52,11 +52,11 @@ HOT float bits_float(uint32_t bits) {
 struct OutFormat {
   int mant_bits;
   int min_exp;  // exponent of the smallest normal number
-  uint32_t inf_code;
+  uint32_t max_code;  // what a larger magnitude becomes: fp16 saturates at 65504 (spec.saturate), bf16 gives inf
   uint32_t nan_code;
 };
 
-constexpr OutFormat kF16Out{10, -14, 0x7C00, 0x7E00};
+constexpr OutFormat kF16Out{10, -14, 0x7BFF, 0x7E00};
 constexpr OutFormat kBF16Out{7, -126, 0x7F80, 0x7FC0};
 
 // v / 2^shift rounded half to even (shift >= 1).
@@ -69,8 +69,8 @@ HOT uint32_t shift_round_half_even(uint32_t v, int shift) {
 }
 
 // The significand is rounded at the target's quantum (fixed below min_exp: subnormals); a carry out of
-// the mantissa lands in the exponent field, which is exactly the next binade's encoding, and a carry
-// past the largest finite value gives inf.
+// the mantissa lands in the exponent field, which is exactly the next binade's encoding; a code past
+// max_code is max_code.
 HOT uint16_t encode(float x, const OutFormat& fmt) {
   const uint32_t bits = float_bits(x);
   const uint32_t sign = (bits >> 16) & 0x8000u;
@@ -86,7 +86,7 @@ HOT uint16_t encode(float x, const OutFormat& fmt) {
   const int target_exp = std::max(exp, fmt.min_exp);
   const uint32_t q = shift_round_half_even(significand, 23 - fmt.mant_bits + (target_exp - exp));
   const uint32_t code = (static_cast<uint32_t>(target_exp - fmt.min_exp) << fmt.mant_bits) + q;
-  return static_cast<uint16_t>(std::min(code, fmt.inf_code) | sign);
+  return static_cast<uint16_t>(std::min(code, fmt.max_code) | sign);
 }
 
 float e4m3_value(uint32_t code) {
@@ -442,13 +442,11 @@ HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int6
   }
   if (pb.attn_mask) {
     const AttnMask& mask = *pb.attn_mask;
+    // Added, as SDPA adds it (a bool False is -inf): a masked key's weight is 0, its NaN score stays NaN.
     if (mask.is_bool) {
-      for (int64_t j = 0; j < cols; ++j) s[j] = mask.allowed(b, h, i, start + j) ? s[j] : -kInf;
+      for (int64_t j = 0; j < cols; ++j) s[j] += mask.allowed(b, h, i, start + j) ? 0.0f : -kInf;
     } else {
-      for (int64_t j = 0; j < cols; ++j) {  // a -inf entry hides the key: a select (NaN + -inf is NaN)
-        const float bias = mask.bias(b, h, i, start + j);
-        s[j] = bias == -kInf ? -kInf : s[j] + bias;
-      }
+      for (int64_t j = 0; j < cols; ++j) s[j] += mask.bias(b, h, i, start + j);
     }
   }
   for (int64_t j = 0; j < cols; ++j) s[j] = key_allowed(pb, b, i, start + j) ? s[j] : -kInf;
@@ -476,8 +474,8 @@ HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, in
 }
 
 // Special values (spec.py): l += 0·δQ (NaN for a poisoned q row, else exact). A row without any valid key
-// (l == 0) gets out 0, lse -inf and no v_mean; a NaN l (a visible poisoned key or q row) gives NaN out and lse.
-// A NaN δV (a poisoned v channel) reaches that channel of every row through the product, o32·0·NaN included.
+// (l == 0) gets out 0, lse -inf and no v_mean; a NaN l (a poisoned q row, or a poisoned key that reaches the
+// row) gives NaN out and lse. A NaN δV (a poisoned v channel) reaches that channel of every row through the product, o32·0·NaN included.
 HOT void finish_row(const Problem& pb, const Workspace& ws, int64_t b, int64_t h, int64_t hk, int64_t i,
                        int64_t r) {
   const float l = ws.l[r] + pb.q_scale(b, h, i) * 0.0f;

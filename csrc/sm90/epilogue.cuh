@@ -73,7 +73,8 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[D
           if (p.out_dtype == kOutBF16) {
             static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(val);
           } else if (p.out_dtype == kOutFP16) {
-            static_cast<__half*>(p.out)[at] = __float2half_rn(val);
+            // saturates at ±65504, NaN stays NaN (spec.saturate)
+            static_cast<__half*>(p.out)[at] = __float2half_rn(fabsf(val) > 65504.f ? copysignf(65504.f, val) : val);
           } else {
             static_cast<float*>(p.out)[at] = val;
           }

@@ -124,10 +124,8 @@ __device__ __forceinline__ void bias_values(const BiasRows& bias, const uint8_t*
     }
 }
 
-// sc (this thread's scores of block k0, accumulator order) += the bias. kHide (the attn_mask): a −inf entry (bool
-// False, or an additive −inf) replaces the score by a select — NaN + −inf would keep a poisoned key's NaN score
-// (spec.py, special values: a hidden key poisons no row). One compare and select per score, biased blocks only.
-template <typename Order, bool kHide = false>
+// sc (this thread's scores of block k0, accumulator order) += the bias.
+template <typename Order>
 __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, int nk, float (&sc)[64]) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
@@ -144,12 +142,7 @@ __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, in
 #pragma unroll
         for (int c = 0; c < Order::kRunKeys; ++c) {
           const int idx = Order::acc_index(run, c, rr);
-          const float a = add[Order::kRunKeys * run + c];
-          if constexpr (kHide) {
-            sc[idx] = a == -INFINITY ? -INFINITY : __fadd_rn(sc[idx], a);
-          } else {
-            sc[idx] = __fadd_rn(sc[idx], a);
-          }
+          sc[idx] = __fadd_rn(sc[idx], add[Order::kRunKeys * run + c]);
         }
     }
   }
@@ -205,7 +198,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
 #pragma unroll
     for (int idx = 0; idx < 64; ++idx) sc[idx] = __fmul_rn(sc[idx], q_scale[(idx >> 1) & 1]);
     add_bias<Order>(bias->delta_s, k0, t, nk, sc);
-    add_bias<Order, true>(bias->mask, k0, t, nk, sc);
+    add_bias<Order>(bias->mask, k0, t, nk, sc);
   }
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {

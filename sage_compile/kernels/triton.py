@@ -186,12 +186,12 @@ def _attn_block(
         if HAS_MASK:  # attn_mask tile (only ever with MASK): after ΔS, before the causal / kv_lens masks
             am_tile = am_ptrs + offs_n.to(tl.int64)[None, :] * sam_k  # 64-bit: a mask may pass 2^31 entries
             in_bounds = row_ok[:, None] & (offs_n < Nk)[None, :]
-            if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend
+            # added, as SDPA adds it: a masked key's weight is 0, its NaN score stays NaN (spec.py, special values)
+            if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend, zero = -inf
                 keep = tl.load(am_tile, mask=in_bounds, other=0) != 0
-                s = tl.where(keep, s, float("-inf"))
-            else:  # fp32, added to S (base 2); a -inf entry hides the key by a select (NaN + -inf is NaN)
-                am = tl.load(am_tile, mask=in_bounds, other=float("-inf"))
-                s = tl.where(am == float("-inf"), float("-inf"), s + am)
+                s += tl.where(keep, 0.0, float("-inf"))
+            else:  # fp32 (base 2)
+                s += tl.load(am_tile, mask=in_bounds, other=float("-inf"))
         if MASK:
             allowed = (offs_n < n_valid)[None, :]
             if CAUSAL:
@@ -321,8 +321,8 @@ def _attn_fwd(
         )
 
     # l summed 448·P̃. Special values (spec.py): + 0·δQ makes a poisoned q row's l NaN (exact otherwise); l == 0 is
-    # "no key" (out 0, lse -inf), a NaN l (a visible poisoned key or q row) gives NaN out and lse. A NaN δV (a
-    # poisoned v channel) reaches that channel of every row through the product below, o·0·NaN included.
+    # "no key" (out 0, lse -inf), a NaN l (a poisoned q row or a poisoned key that reaches the row) gives NaN out and
+    # lse. A NaN δV (a poisoned v channel) reaches that channel of every row through the product below, o·0·NaN too.
     l448 = l + qs * 0.0
     has_keys = l448 != 0.0
     inv = tl.where(has_keys, 1.0 / l448, 0.0)
@@ -331,6 +331,8 @@ def _attn_fwd(
     if has_vm != 0:
         vm = tl.load(VM + b64 * svm_b + hk64 * svm_h + offs_d)
         out = out + tl.where(has_keys[:, None], vm[None, :], 0.0)
+    if Out.dtype.element_ty == tl.float16:  # saturates at ±65504, NaN stays NaN (spec.saturate)
+        out = tl.where(tl.abs(out) > 65504.0, tl.where(out > 0, 65504.0, -65504.0), out)
     o_ptrs = Out + b64 * so_b + h64 * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
     lse = tl.where(has_keys, (m + (tl.log2(l448) - 8.807354922057604)) * 0.6931471805599453, float("-inf"))

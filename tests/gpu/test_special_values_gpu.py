@@ -127,26 +127,30 @@ def test_one_poisoned_token_causal(family, which, value):
 
 @pytest.mark.parametrize("family", _families())
 @pytest.mark.parametrize("mask", ["bool", "additive"])
-def test_hidden_poisoned_key_and_closed_rows(family, mask):
-    """A poisoned k key hidden by a False / −inf mask entry poisons no row (sm90: a select, not an add, of the mask);
-    a poisoned v element its channel of every row of its kv-head's query heads, closed rows included; closed rows are
-    0 elsewhere with lse −∞; a closed poisoned q row is NaN."""
-    case = Case(hq=8, hkv=2, n_q=150, n_k=300, d=128, mask=mask, closed_rows=[3, 70, 140],
-                injections=[("q", 0, 0, 70, 1, "nan")])
+def test_masked_poisoned_key_and_closed_rows(family, mask):
+    """The mask is added to S (bool False as −inf), as SDPA adds it: a poisoned k key masked for every row still
+    poisons every row of its kv-head's query heads, closed rows included; one past kv_lens poisons none; a poisoned v
+    element its channel of every row of its kv-head's query heads; closed rows are 0 elsewhere with lse −∞."""
+    case = Case(hq=8, hkv=2, n_q=150, n_k=300, d=128, mask=mask, closed_rows=[3, 70, 140], kv_lens=[280],
+                injections=[("q", 0, 4, 70, 1, "nan")])
     module = _module(family)
-    q, k, v, m, _ = case.tensors(DEV)
+    q, k, v, m, kv_lens = case.tensors(DEV)
     m = m.clone()
     m[..., 10] = False if mask == "bool" else -math.inf
-    k[0, 0, 10, 0] = math.inf
-    v[0, 1, 10, 0] = math.nan
-    p = spec.prepare(q, k, v, case.d ** -0.5, CONFIG.scheme)
-    args = KernelArgs.from_prepared(p, None, 0, case.d, q.dtype, spec.kernel_mask(spec.mask_operand(m, q, k)))
+    k[0, 0, 10, 0] = math.inf  # masked for every row: query heads 0-3 NaN
+    k[0, 1, 290, 0] = math.nan  # past kv_lens: nothing
+    v[0, 1, 10, 0] = math.nan  # channel 0 of query heads 4-7
+    p = spec.prepare(q, k, v, case.d ** -0.5, CONFIG.scheme, kv_lens)
+    args = KernelArgs.from_prepared(p, kv_lens, 0, case.d, q.dtype, spec.kernel_mask(spec.mask_operand(m, q, k)))
     out, lse = poisoned_outputs(args)
     kernels.run(module, args, out, lse)
-    nan, empty_rows, nan_lse = predicted(case, q.cpu(), k.cpu(), v.cpu(), m.cpu(), None)
-    assert nan_lse.sum() == 1 and nan[0, 0, 70].all() and nan[0, 4:, :, 0].all() and nan.sum() == 128 + 4 * 150
+    nan, empty_rows, nan_lse = predicted(case, q.cpu(), k.cpu(), v.cpu(), m.cpu(), kv_lens.cpu())
+    assert nan_lse[0, :4].all() and nan_lse[0, 4, 70] and nan_lse.sum() == 4 * 150 + 1
+    assert nan[0, :4].all() and nan[0, 4:, :, 0].all() and nan.sum() == 4 * 150 * 128 + 4 * 150 + 127
     check_pattern(out.cpu(), nan, empty_rows, family)
-    assert lse[0, :, 3].eq(-math.inf).all() and lse[0, 0, 70].isnan() and not lse[0, 4:].isnan().any()
+    lse = lse.cpu()
+    assert lse[0, :4].isnan().all() and lse[0, 4, 70].isnan() and lse[0, 4:, 3].eq(-math.inf).all()
+    assert not lse[0, 5:].isnan().any()
 
 
 @pytest.mark.parametrize("family", _families())
