@@ -465,6 +465,105 @@ def saturate(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return out.to(out_dtype)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The backward (SageBwd): 6 of the 7 attention matmuls in INT8; dP = dO·Vᵀ stays 16-bit.
+# --------------------------------------------------------------------------------------------------------------
+BWD_BLOCK = 64  # the backward's tile edge: its INT8 scales are per row or per column of a BWD_BLOCK² tile
+GRAD_LEVELS = 127  # INT8 levels of P, dO and the two dS operands
+
+
+def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor):
+    """The backward's prep (aten ops, fused by Inductor into dO's producer): (dÔ int8 [B,Hq,Nq,Dp], δdO fp32
+    [B,Hq,ceil(Nq/BWD_BLOCK),Dp] — one scale per channel of each BWD_BLOCK query rows, the rows dV's product sums
+    over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O))."""
+    n, d = grad_out.shape[-2], grad_out.shape[-1]
+    go = grad_out.float()
+    delta = (go * out.float()).sum(dim=-1)
+    tiles = torch.nn.functional.pad(go, (0, padded_head_dim(d) - d, 0, (-n) % BWD_BLOCK))
+    tiles = tiles.unflatten(-2, (-1, BWD_BLOCK)).transpose(-1, -2)  # [B,Hq,T,Dp,BWD_BLOCK]: a channel's rows last
+    do8, do_scale = quantize_symmetric(tiles, tiles.abs().amax(dim=-1), GRAD_LEVELS)
+    return do8.transpose(-1, -2).flatten(-3, -2)[..., :n, :], do_scale, delta
+
+
+def attention_backward_reference(
+    grad_out: torch.Tensor,
+    do8: torch.Tensor,
+    do_scale: torch.Tensor,
+    delta: torch.Tensor,
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    kv_lens: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    causal: int,
+    scale: float,
+):
+    """(dq [B,Hq,Nq,D], dk, dv [B,Hkv,Nk,D]) fp32: the gradients of the forward's output (``lse`` its LSE) with
+    respect to q, k, v, from the forward's own operands — q, q_scale, k, k_scale as ``Prepared`` holds them
+    (smoothed K; δQ includes scale·log2 e), v as the model gave it (16-bit), ``prepare_backward``'s dÔ, δdO, D.
+
+    Per BWD_BLOCK² tile (query rows i, keys j), in the forward's base-2 score units:
+      S = Q̂K̂ᵀ·δQ·δK (+ the mask, causal, kv_lens as the forward), P = exp2(S − lse·log2 e) (0 for a row with no
+      key); dP = dO·Vᵀ in 16-bit operands, fp32 sums — its errors would reach dS and accumulate along N into dQ, dK;
+      dS = P∘(dP − D);
+      dV_j += δP_j·δdO·(P̂ᵀ dÔ), P̂ = INT8 of P per key j over the tile's rows;
+      dQ_i += δG_i·(Ĝ K̂), G = dS·δK_j (δK folded in: it varies along the sum), Ĝ INT8 per row i over the tile's keys;
+      dK_j += δH_j·(Ĥᵀ Q̂), H = dS·δQ_i, Ĥ INT8 per key j over the tile's rows.
+    Each scale varies only along the product's output, so every product is an exact integer sum times scales.
+    Finally dq = scale·dQ, dk = dK / log2 e (δQ carries scale·log2 e), dk and dv summed over a GQA group.
+    K's smoothing needs no term: dq's exact sum over dS·k equals the one over dS·(k − μK) because every row of dS
+    sums to zero (D = rowsum(dO∘O) = Σ_j P_ij dP_ij when O = PV). The oracle computes every tile at once (N×N
+    memory); kernels keep O(N·D)."""
+    batch, hq, n_q, dp = q.shape
+    hkv, n_k, d = k.shape[1], k.shape[2], v.shape[-1]
+    group = hq // hkv
+    n_pad = -n_q % BWD_BLOCK
+    rows = lambda x: torch.nn.functional.pad(x, (0, 0, 0, n_pad)).unflatten(-2, (-1, BWD_BLOCK))  # noqa: E731
+    qi = q.to(torch.int32)
+    ki = k.to(torch.int32).repeat_interleave(group, dim=1)
+    ks = k_scale.repeat_interleave(group, dim=1)
+    s = (qi @ ki.transpose(-1, -2)).float() * q_scale.unsqueeze(-1) * ks.unsqueeze(-2)
+    if attn_mask is not None:
+        s = s + (torch.where(attn_mask, 0.0, -math.inf) if attn_mask.dtype == torch.bool else attn_mask)
+    allowed = causal_allowed(n_q, n_k, causal, q.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    if kv_lens is not None:
+        s = s.masked_fill(~valid_key_mask(kv_lens, n_k)[:, None, None, :], -math.inf)
+    l2 = (lse * LOG2E).unsqueeze(-1)
+    p = torch.where(l2 == -math.inf, 0.0, exp2_fp32(s - l2))
+    dp_ = backward_dp(grad_out, v.repeat_interleave(group, dim=1))
+    ds = p * (dp_ - delta.unsqueeze(-1))
+
+    dv = torch.zeros(batch, hq, n_k, dp, dtype=torch.float64, device=q.device)
+    dq = torch.zeros(batch, hq, n_q, dp, dtype=torch.float64, device=q.device)
+    dk = torch.zeros_like(dv)
+    do_t, q_t = rows(do8.double()), rows(qi.double())  # [B,Hq,T,BWD_BLOCK,Dp]
+    for j0 in range(0, n_k, BWD_BLOCK):
+        cols = slice(j0, min(j0 + BWD_BLOCK, n_k))
+        p_t = rows(p[..., cols]).transpose(-1, -2)  # [B,Hq,T,keys,rows]
+        p8, p_scale = quantize_symmetric(p_t, p_t.amax(dim=-1), GRAD_LEVELS)
+        dv[:, :, cols] += ((p8.double() @ (do_t * do_scale.unsqueeze(-2).double())) * p_scale.unsqueeze(-1)).sum(2)
+        g = ds[..., cols] * ks[:, :, None, cols]
+        g8, g_scale = quantize_symmetric(g, g.abs().amax(dim=-1), GRAD_LEVELS)
+        dq += (g8.double() @ ki[:, :, cols].double()) * g_scale.unsqueeze(-1)
+        h_t = rows(ds[..., cols] * q_scale.unsqueeze(-1)).transpose(-1, -2)  # [B,Hq,T,keys,rows]
+        h8, h_scale = quantize_symmetric(h_t, h_t.abs().amax(dim=-1), GRAD_LEVELS)
+        dk[:, :, cols] += ((h8.double() @ q_t) * h_scale.unsqueeze(-1)).sum(2)
+    dq = (dq * scale).float()
+    dk = (dk / LOG2E).unflatten(1, (hkv, group)).sum(2).float()
+    dv = dv.unflatten(1, (hkv, group)).sum(2).float()
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+def backward_dp(grad_out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """dP = dO·Vᵀ from the 16-bit operands: exact products, fp32 result."""
+    return (grad_out.double() @ v.double().transpose(-1, -2)).float()
+
+
 def kernel_mask(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """SDPA's attn_mask in the kernel contract: bool kept (1 byte/entry); additive → fp32 · log2 e."""
     if attn_mask is None or attn_mask.dtype == torch.bool:
