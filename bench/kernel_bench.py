@@ -43,14 +43,14 @@ def _bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def interleaved_ms(columns: dict, rounds: int) -> dict:
+def interleaved_ms(columns: dict, rounds: int, grad: bool = False) -> dict:
     """{name}_ms for each column (name → a call to time): the median over `rounds` passes, each pass timing every
     column once in order (_bench_ms, after one untimed call), so that the GPU's clock drift over a run falls on all
-    columns alike; with rounds > 1 also {name}_ms_rounds, every pass. Inference only: runs under no_grad."""
+    columns alike; with rounds > 1 also {name}_ms_rounds, every pass. Under no_grad unless ``grad`` (training)."""
     import statistics
 
     times = {name: [] for name in columns}
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for _ in range(rounds):
             for name, fn in columns.items():
                 fn()  # a first call compiles: do_bench would size its repetitions on it

@@ -4,28 +4,40 @@
 
 It is a ``torch.autograd.Function`` called from sage.attention's CompositeImplicitAutograd decomposition, so
 eager autograd and AOTAutograd's joint graph take the same path: the forward's prep is still aten ops that
-Inductor fuses into the producers, and the backward family's ops land in the backward graph.
+Inductor fuses into the producers, the backward family's prep and ops land in the backward graph.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .kernels import backward as backward_kernels
 
 
+@dataclass(frozen=True)
+class BackwardCall:
+    """The forward's call arguments a backward needs (``causal`` as spec.CAUSAL_*)."""
+
+    scale: float
+    causal: int
+    enable_gqa: bool
+    family: str
+
+
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config):
-        from .ops import sage_forward
+    def forward(ctx, q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, family):
+        from .ops import quantized_forward
 
-        ctx.save_for_backward(q, k, v, attn_mask, kv_lens)
-        ctx.call = (scale, causal, enable_gqa, config.backward)
-        return sage_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme)
+        prepared, kernel_mask, out, lse = quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme)
+        module = backward_kernels.family(family)
+        ctx.save_for_backward(*module.saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse), kv_lens)
+        ctx.call = BackwardCall(scale, causal, enable_gqa, family)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, attn_mask, kv_lens = ctx.saved_tensors
-        scale, causal, enable_gqa, family = ctx.call
-        args = backward_kernels.BackwardArgs(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
-        dq, dk, dv = backward_kernels.run(family, args, grad_out)
-        return dq, dk, dv, None, None, None, None, None, None
+        *saved, kv_lens = ctx.saved_tensors
+        dq, dk, dv = backward_kernels.family(ctx.call.family).backward(saved, kv_lens, ctx.call, grad_out)
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -10,7 +10,7 @@ from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_f
                      encode_fields, unknown_name_message)
 
 FALLBACKS = ("sdpa", "error")
-BACKWARDS = ("sdpa",)
+BACKWARDS = ("sage", "sdpa")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 _PLUMBING = ("scheme", "inner_backend", "fuse_rope")  # not read by the sage.attention decomposition
 
@@ -26,7 +26,8 @@ class SageConfig:
     lengths (None: the measured per-device thresholds of sage_compile/thresholds.py; 0: always sage);
     ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy); ``backward``:
     how gradients are computed when attention inputs require grad — "sdpa": the exact attention gradient at
-    the same inputs (SDPA's backward; the forward stays 8-bit).
+    the same inputs (SDPA's backward; the forward stays 8-bit); "sage": the 8-bit backward (SageBwd: INT8 products,
+    dO·Vᵀ in 16-bit) from the forward's own quantized operands.
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
     ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep
     (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep.

@@ -108,22 +108,38 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _needs_grad(q, k, v):
         torch._dynamo.utils.counters["sage"]["with_backward"] += 1
-        return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config)
-    return sage_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)
+        family = _backward_family(config)
+        return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config,
+                                                family)
+    return quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)[2]
 
 
-def sage_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme, prepare=None):
-    """The 8-bit attention itself: the prep, then sage.quantized_attention (out in q's layout)."""
+def _backward_family(config: SageConfig) -> str:
+    """config.backward, or "sdpa" — reported like any fallback — where that family cannot differentiate the scheme."""
+    from .kernels import backward as backward_kernels
+
+    reason = backward_kernels.family(config.backward).unsupported(config.scheme)
+    if reason is None:
+        return config.backward
+    report_fallback(f"backward={config.backward!r} cannot run this site ({reason}); its gradient comes from SDPA's "
+                    "backward", config)
+    return "sdpa"
+
+
+def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme, prepare=None):
+    """The 8-bit attention itself: the prep, then sage.quantized_attention. Returns (the prepared operands, the
+    kernel-form mask, out in q's layout, lse)."""
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
     else:
         p = spec.prepare(q, k, v, scale, scheme, kv_lens, v_prep=prep.prepare_v)
-    out, _ = torch.ops.sage.quantized_attention(
-        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, scheme.encode(),
+    kernel_mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
+    out, lse = torch.ops.sage.quantized_attention(
+        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, kernel_mask, causal,
+        q.shape[-1], q.dtype, scheme.encode(),
     )
-    return out
+    return p, kernel_mask, out, lse
 
 
 def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):
@@ -207,3 +223,26 @@ def quantized_attention(
 @torch.library.register_fake("sage::quantized_attention")
 def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim, out_dtype, scheme):
     return _empty_outputs(q, k, head_dim, out_dtype)
+
+
+@_define_op()
+def attention_backward(
+    grad_out: torch.Tensor, do8: torch.Tensor, do_scale: torch.Tensor, delta: torch.Tensor,
+    q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
+    lse: torch.Tensor, kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], causal: int, scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8-bit backward's products (spec.attention_backward_reference says what each argument holds): returns
+    (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32, D = v's head dim. Triton on CUDA, the spec elsewhere."""
+    from .kernels import backward as backward_kernels
+
+    grads = backward_kernels.products(q.device)(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
+                                                kv_lens, attn_mask, causal, scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@torch.library.register_fake("sage::attention_backward")
+def _(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal, scale):
+    d = v.shape[-1]
+    dq = q.new_empty((*q.shape[:-1], d), dtype=torch.float32)
+    dk = k.new_empty((*k.shape[:-1], d), dtype=torch.float32)
+    return dq, dk, k.new_empty(dk.shape, dtype=torch.float32)

@@ -57,3 +57,19 @@ def compile_and_capture(fn, *args):
     with torch.no_grad():
         out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return out, [n for gm in graphs for n in gm.graph.nodes]
+
+
+class SelfAttention(torch.nn.Module):
+    """One causal self-attention layer (qkv projection → SDPA → output projection): the smallest trainable model."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, -1))

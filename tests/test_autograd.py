@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import attention_shapes, cosine, random_qkv
+from helpers import SelfAttention, attention_shapes, cosine, random_qkv
 from sage_compile import SageConfig, sage_attention, spec
 from sage_compile.kernels import backward as backward_kernels
 
@@ -69,21 +69,7 @@ def test_unknown_backward_family_is_refused():
     with pytest.raises(ValueError, match="backward='sage8'"):
         SageConfig(backward="sage8")
     with pytest.raises(ValueError, match="backward='sage8'"):
-        backward_kernels.run("sage8", None, None)
-
-
-class _SelfAttention(torch.nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, n, -1))
+        backward_kernels.family("sage8")
 
 
 def test_compiled_training_step_runs_the_8bit_forward_and_the_backward():
@@ -92,7 +78,7 @@ def test_compiled_training_step_runs_the_8bit_forward_and_the_backward():
     up to the 8-bit forward's error."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _SelfAttention(64, 4).to(torch.bfloat16)
+    model = SelfAttention(64, 4).to(torch.bfloat16)
     x = torch.randn(2, 96, 64, dtype=torch.bfloat16)
 
     def step(m):

@@ -1,37 +1,34 @@
 """Backward kernels of ``sage.attention``, one module per family, named by ``SageConfig.backward``.
 
-A family module exposes ``NAME`` and ``backward(args: BackwardArgs, grad_out) -> (dq, dk, dv)``: the gradients
-of the attention output with respect to q, k and v (dk, dv summed over a GQA group, in k's and v's shapes).
-``autograd.AttentionFunction`` calls ``run``. Today's family:
+A family module exposes ``NAME``; ``unsupported(scheme) -> Optional[str]`` (why it cannot differentiate a forward
+quantized this way, or None); ``saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse)`` — the tensors the
+forward saves for it; and ``backward(saved, kv_lens, call, grad_out) -> (dq, dk, dv)`` in q's, k's and v's dtypes
+and shapes (dk, dv summed over a GQA group). ``autograd.AttentionFunction`` calls them. The families:
+* ``sage`` — the 8-bit backward (SageBwd, spec.attention_backward_reference): its prep (dÔ, D) in aten ops, then
+  ``sage::attention_backward`` (Triton on CUDA: ``triton_bwd``; the spec itself elsewhere).
 * ``sdpa`` — the exact attention gradient at the same inputs, through F.scaled_dot_product_attention's own
   backward (the forward stays 8-bit, so this is a straight-through estimate of the quantized forward's gradient).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Optional
 
-import torch
-
-FAMILIES = {"sdpa": "sage_compile.kernels.backward.sdpa"}
+FAMILIES = {"sage": "sage_compile.kernels.backward.sage", "sdpa": "sage_compile.kernels.backward.sdpa"}
 
 
-@dataclass
-class BackwardArgs:
-    """What the forward saved: its inputs and call arguments (``causal`` as spec.CAUSAL_*)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    attn_mask: Optional[torch.Tensor]
-    scale: float
-    causal: int
-    enable_gqa: bool
-    kv_lens: Optional[torch.Tensor]
+def family(name: str):
+    if name not in FAMILIES:
+        raise ValueError(f"backward={name!r}: expected one of {sorted(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
 
 
-def run(family: str, args: BackwardArgs, grad_out: torch.Tensor):
-    if family not in FAMILIES:
-        raise ValueError(f"backward={family!r}: expected one of {sorted(FAMILIES)}")
-    return importlib.import_module(FAMILIES[family]).backward(args, grad_out)
+def products(device):
+    """The implementation of ``sage::attention_backward`` on ``device``: the Triton kernels on CUDA, the spec
+    (spec.attention_backward_reference, all tiles at once: N×N memory) elsewhere."""
+    if device.type == "cuda":
+        from . import triton_bwd
+
+        return triton_bwd.attention_backward
+    from ... import spec
+
+    return spec.attention_backward_reference

@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import torch
 
-from . import BackwardArgs
-
 NAME = "sdpa"
 
 
-def backward(args: BackwardArgs, grad_out: torch.Tensor):
+def unsupported(scheme):
+    return None
+
+
+def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
+    return q, k, v, attn_mask
+
+
+def backward(saved, kv_lens, call, grad_out):
     from ...ops import sdpa_fallback
 
-    def attention(q, k, v):
-        return sdpa_fallback(q, k, v, args.attn_mask, 0.0, args.scale, args.causal, args.enable_gqa, args.kv_lens)
+    q, k, v, attn_mask = saved
 
-    _, vjp = torch.func.vjp(attention, args.q, args.k, args.v)
+    def attention(q, k, v):
+        return sdpa_fallback(q, k, v, attn_mask, 0.0, call.scale, call.causal, call.enable_gqa, kv_lens)
+
+    _, vjp = torch.func.vjp(attention, q, k, v)
     return vjp(grad_out)
