@@ -1,0 +1,396 @@
+"""The 8-bit attention backward (SageBwd) in Triton: ``spec.attention_backward_reference``, tile for tile.
+
+Two kernels, FlashAttention-2 style, each recomputing S and P from the forward's LSE (memory O(N·D), no N×N
+buffer). The tiles are the spec's BWD_BLOCK² tiles (query rows and keys both start at multiples of 64), so every
+INT8 scale is taken over the same 64 elements as the oracle's:
+
+    S  = (Q̂K̂ᵀ int32 → fp32)·δQ[row]·δK[key] + mask (fp32, or −inf where a bool is False); causal, kv_lens: −inf
+    P  = exp2(S − lse·log2 e)   (0 for a row whose lse is −inf: no key, or a row past Nq)
+    dP = dO·Vᵀ (16-bit operands, fp32 sums);  dS = P∘(dP − D)
+    dV_j += δP_j·δdO·(P̂ᵀ dÔ)   P̂ = INT8 of P per key over the tile's rows
+    dK_j += δH_j·(Ĥᵀ Q̂)        H = dS·δQ_i, INT8 per key over the tile's rows
+    dQ_i += δG_i·(Ĝ K̂)         G = dS·δK_j, INT8 per row over the tile's keys
+
+* ``_bwd_dkdv``: one program per (key block, batch·kv head). It loops over the GQA group's query heads and their
+  query blocks (causal: from the first block that can see the key block; kv_lens: none past it), holds dK and dV
+  in fp32 registers and stores them once — the group's sum without atomics or copies of K/V.
+* ``_bwd_dq``: one program per (query block, batch·query head); loops over the visible key blocks, stores dQ.
+A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, Ĝ, Ĥ are 0).
+
+Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division,
+x̂ = rint(x·(1/δ)) — the product clamped to ±127 (which also keeps it from being contracted into the rint's add of
+1.5·2²³, so it is rounded once, as the spec rounds it). Every int32 dot is an exact integer sum (|x| ≤ 127²·256 <
+2²²) converted to fp32 exactly by the 1.5·2²³ bit trick. Arithmetic differs from the oracle only by rounding
+(tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64 one, fused multiply-adds in
+S − lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32 accumulation order.
+A P, G or H element within a rounding of an INT8 midpoint may round to the neighbouring step there.
+
+NaN/Inf inputs are not specified for the backward (the spec's special-value rules are the forward's); finite
+inputs give finite gradients. Launches go to the current stream and allocate only the outputs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+try:  # optional: sage_compile imports without Triton (the op then falls back to another backward family)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+from .. import broadcast_strides
+from ... import spec
+
+NAME = "triton"
+
+BLOCK = spec.BWD_BLOCK  # the spec's tile edge: query rows and keys of one tile (the INT8 scale groups)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # padded (spec.padded_head_dim); int8 dots need K ≥ 32 on sm90
+_GRAD_DTYPES = (torch.bfloat16, torch.float16)
+_KV_LENS_DTYPES = (torch.int32, torch.int64)
+_MASK_DTYPES = (torch.bool, torch.float32)
+
+
+def launch_config(padded_head_dim: int):
+    """(num_warps dK/dV, num_warps dQ, num_stages). Measured on the H100 (B=1, H=8, N=4096, bf16, not causal; warps
+    4/8 × stages 1–3): 4 warps and 2 stages for both kernels, at Dp 64 (0.76 ms; 8 warps 1.2–1.5 ms) and Dp 128
+    (1.76 ms; 8 warps for dK/dV, which holds two [64, Dp] fp32 accumulators, 1.99 ms). Dp 256 (not measured): 8
+    warps, so that the accumulators keep to ≤ 128 registers a thread."""
+    return (4, 4, 2) if padded_head_dim <= 128 else (8, 8, 2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _i32_to_f32(x):
+        """An int32 dot (|x| < 2²²) as fp32, exactly: the bits x + 0x4B400000 are the float 1.5·2²³ + x."""
+        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _int8_quantize(x, amax, AXIS: tl.constexpr):
+        """(int8 x̂, δ) of spec.quantize_symmetric(x, amax, 127): δ (one per element of ``amax``, which broadcasts
+        along AXIS) = fma_friendly(max(amax/127, tiny)), x̂ = rint(clamp(x·(1/δ), ±127))."""
+        delta = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
+        delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
+        inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
+        y = x * tl.expand_dims(inv, AXIS)
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)  # a no-op for finite x (δ ≥ amax/127), but no FMA below
+        # + 1.5·2²³ rounds half to even to an integer; its bits end in the integer's two's complement byte
+        return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8), delta
+
+    @triton.jit
+    def _scores(dot, qs_rows, ks_keys, lse2, am_ptrs, in_bounds, allowed, HAS_MASK: tl.constexpr,
+                MASK_IS_BOOL: tl.constexpr):
+        """P of one tile (any orientation: every operand comes broadcast to the tile's shape). S = (dot·δQ)·δK as
+        the oracle rounds it, + the attn_mask, −inf where not ``allowed`` (causal, kv_lens, past Nk); P =
+        exp2(S − lse·log2 e), 0 where lse is −inf (also rows past Nq, loaded as −inf)."""
+        s = _i32_to_f32(dot) * qs_rows * ks_keys
+        if HAS_MASK:  # added, as the forward adds it
+            if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend
+                keep = tl.load(am_ptrs, mask=in_bounds, other=0) != 0
+                s += tl.where(keep, 0.0, float("-inf"))
+            else:  # fp32, base 2
+                s += tl.load(am_ptrs, mask=in_bounds, other=float("-inf"))
+        s = tl.where(allowed, s, float("-inf"))
+        return tl.where(lse2 == float("-inf"), 0.0, tl.math.exp2(s - lse2))
+
+    @triton.jit
+    def _bwd_dkdv(
+        DO, DO8, DOS, DSUM, Q, QS, K, KS, V, LSE, KVL, AM, DK, DV,
+        sdo_b, sdo_h, sdo_n, sdo_d, sd8_b, sd8_h, sd8_n, sds_b, sds_h, sds_t, sdl_b, sdl_h,
+        sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h, sv_b, sv_h, sv_n, sv_d,
+        slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+        Hkv, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
+        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+        MASK_IS_BOOL: tl.constexpr,
+    ):
+        """dK, dV of one key block of one (batch, kv head); every tile is computed transposed, [keys, rows]."""
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        b64 = b.to(tl.int64)
+        hk64 = hk.to(tl.int64)
+        n_lo = pid_n * BLOCK
+        offs_n = n_lo + tl.arange(0, BLOCK)
+        offs_r = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DP)
+        key_ok = offs_n < Nk
+        d_ok = offs_d < head_dim
+
+        k = tl.load(K + b64 * sk_b + hk64 * sk_h + offs_n[:, None] * sk_n + offs_d[None, :], mask=key_ok[:, None],
+                    other=0)
+        ks = tl.load(KS + b64 * sks_b + hk64 * sks_h + offs_n, mask=key_ok, other=0.0)
+        v = tl.load(V + b64 * sv_b + hk64 * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+
+        n_valid = Nk
+        if has_kvl != 0:
+            n_valid = tl.minimum(tl.maximum(tl.load(KVL + b).to(tl.int32), 0), Nk)
+        key_live = offs_n < n_valid
+        m_hi = tl.where(n_lo < n_valid, Nq, 0)  # a key block past kv_lens: no query sees it, dK = dV = 0
+        if CAUSAL:  # rows i ≥ j − offset see key j: start at the first query block holding one for key n_lo
+            m_lo = (tl.maximum(n_lo - causal_offset, 0) // BLOCK) * BLOCK
+        else:
+            m_lo = 0
+
+        dk = tl.zeros([BLOCK, HEAD_DP], tl.float32)
+        dv = tl.zeros([BLOCK, HEAD_DP], tl.float32)
+        for g in range(0, GQA):
+            h64 = (hk * GQA + g).to(tl.int64)
+            for m0 in range(m_lo, m_hi, BLOCK):
+                offs_m = m0 + offs_r
+                row_ok = offs_m < Nq
+                q = tl.load(Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
+                            mask=row_ok[:, None], other=0)
+                qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
+                lse2 = tl.load(LSE + b64 * slse_b + h64 * slse_h + offs_m, mask=row_ok, other=float("-inf"))
+                lse2 = lse2 * 1.4426950408889634
+                allowed = key_live[:, None] & row_ok[None, :]
+                if CAUSAL:
+                    allowed = allowed & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                if HAS_MASK:
+                    am_ptrs = (AM + b64 * sam_b + h64 * sam_h + offs_m.to(tl.int64)[None, :] * sam_n
+                               + offs_n.to(tl.int64)[:, None] * sam_k)
+                else:
+                    am_ptrs = AM
+                st = tl.dot(k, tl.trans(q), out_dtype=tl.int32)  # [keys, rows]
+                pt = _scores(st, qs[None, :], ks[:, None], lse2[None, :], am_ptrs, key_ok[:, None] & row_ok[None, :],
+                             allowed, HAS_MASK, MASK_IS_BOOL)
+                do = tl.load(DO + b64 * sdo_b + h64 * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
+                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                dpt = tl.dot(v, tl.trans(do))  # dO·Vᵀ transposed: 16-bit operands, fp32 sums
+                dsum = tl.load(DSUM + b64 * sdl_b + h64 * sdl_h + offs_m, mask=row_ok, other=0.0)
+                dst = pt * (dpt - dsum[None, :])
+
+                # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
+                p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
+                do8 = tl.load(DO8 + b64 * sd8_b + h64 * sd8_h + offs_m[:, None] * sd8_n + offs_d[None, :],
+                              mask=row_ok[:, None], other=0)
+                dos = tl.load(DOS + b64 * sds_b + h64 * sds_h + (m0 // BLOCK) * sds_t + offs_d)
+                dv += _i32_to_f32(tl.dot(p8, do8, out_dtype=tl.int32)) * p_scale[:, None] * dos[None, :]
+                # dK_j += δH_j·(Ĥᵀ Q̂), H = dS·δQ_i
+                ht = dst * qs[None, :]
+                h8, h_scale = _int8_quantize(ht, tl.max(tl.abs(ht), 1), 1)
+                dk += _i32_to_f32(tl.dot(h8, q, out_dtype=tl.int32)) * h_scale[:, None]
+
+        dk = dk * 0.6931471805599453  # δQ carries log2 e: dk = dK / log2 e
+        store = key_ok[:, None] & d_ok[None, :]
+        tl.store(DK + b64 * sdk_b + hk64 * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :], dk, mask=store)
+        tl.store(DV + b64 * sdv_b + hk64 * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :], dv, mask=store)
+
+    @triton.jit
+    def _bwd_dq(
+        DO, DSUM, Q, QS, K, KS, V, LSE, KVL, AM, DQ, scale,
+        sdo_b, sdo_h, sdo_n, sdo_d, sdl_b, sdl_h, sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h,
+        sv_b, sv_h, sv_n, sv_d, slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdq_b, sdq_h, sdq_n,
+        Hq, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
+        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+        MASK_IS_BOOL: tl.constexpr,
+    ):
+        """dQ of one query block of one (batch, query head)."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // Hq
+        h = pid_bh % Hq
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+        hk64 = (h // GQA).to(tl.int64)
+        q_lo = pid_m * BLOCK
+        offs_m = q_lo + tl.arange(0, BLOCK)
+        offs_c = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DP)
+        row_ok = offs_m < Nq
+        d_ok = offs_d < head_dim
+
+        q = tl.load(Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None],
+                    other=0)
+        qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
+        lse2 = tl.load(LSE + b64 * slse_b + h64 * slse_h + offs_m, mask=row_ok, other=float("-inf"))
+        lse2 = lse2 * 1.4426950408889634
+        do = tl.load(DO + b64 * sdo_b + h64 * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        dsum = tl.load(DSUM + b64 * sdl_b + h64 * sdl_h + offs_m, mask=row_ok, other=0.0)
+        if HAS_MASK:
+            am_rows = AM + b64 * sam_b + h64 * sam_h + offs_m.to(tl.int64)[:, None] * sam_n
+        else:
+            am_rows = AM
+
+        n_valid = Nk
+        if has_kvl != 0:
+            n_valid = tl.minimum(tl.maximum(tl.load(KVL + b).to(tl.int32), 0), Nk)
+        hi = n_valid
+        if CAUSAL:  # key j < (last row + 1) + offset
+            hi = tl.minimum(hi, tl.minimum(q_lo + BLOCK, Nq) + causal_offset)
+        hi = tl.maximum(hi, 0)
+
+        dq = tl.zeros([BLOCK, HEAD_DP], tl.float32)
+        for n0 in range(0, hi, BLOCK):
+            offs_n = n0 + offs_c
+            key_ok = offs_n < Nk
+            k = tl.load(K + b64 * sk_b + hk64 * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                        mask=key_ok[:, None], other=0)
+            ks = tl.load(KS + b64 * sks_b + hk64 * sks_h + offs_n, mask=key_ok, other=0.0)
+            v = tl.load(V + b64 * sv_b + hk64 * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
+                        mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            allowed = row_ok[:, None] & (offs_n < n_valid)[None, :]
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            if HAS_MASK:
+                am_ptrs = am_rows + offs_n.to(tl.int64)[None, :] * sam_k
+            else:
+                am_ptrs = AM
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)  # [rows, keys]
+            p = _scores(s, qs[:, None], ks[None, :], lse2[:, None], am_ptrs, row_ok[:, None] & key_ok[None, :],
+                        allowed, HAS_MASK, MASK_IS_BOOL)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - dsum[:, None])
+            # dQ_i += δG_i·(Ĝ K̂), G = dS·δK_j
+            gq = ds * ks[None, :]
+            g8, g_scale = _int8_quantize(gq, tl.max(tl.abs(gq), 1), 1)
+            dq += _i32_to_f32(tl.dot(g8, k, out_dtype=tl.int32)) * g_scale[:, None]
+
+        dq = dq * scale
+        tl.store(DQ + b64 * sdq_b + h64 * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :], dq,
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal) -> None:
+    """The contract of ``attention_backward`` (spec.attention_backward_reference's arguments), as ValueErrors: the
+    kernels read wherever pointers, sizes and strides say."""
+    def fail(msg):
+        raise ValueError(f"sage attention backward (triton): {msg}")
+
+    for name, t in (("grad_out", grad_out), ("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            fail(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+    batch, hq, n_q, dp = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    d = grad_out.shape[-1]
+    if hkv == 0 or hq % hkv:
+        fail(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if dp not in SUPPORTED_HEAD_DIMS or not 1 <= d <= dp or spec.padded_head_dim(d) != dp:
+        fail(f"head dim D={d} with padded Dp={dp}: expected Dp = spec.padded_head_dim(D) in {SUPPORTED_HEAD_DIMS}")
+    if causal not in spec.CAUSAL_NAMES:
+        fail(f"causal={causal!r}: expected one of {sorted(spec.CAUSAL_NAMES)}")
+    expected = {
+        "grad_out": ((batch, hq, n_q, d), _GRAD_DTYPES),
+        "do8": ((batch, hq, n_q, dp), (torch.int8,)),
+        "do_scale": ((batch, hq, math.ceil(n_q / BLOCK), dp), (torch.float32,)),
+        "delta": ((batch, hq, n_q), (torch.float32,)),
+        "q": ((batch, hq, n_q, dp), (torch.int8,)),
+        "q_scale": ((batch, hq, n_q), (torch.float32,)),
+        "k": ((batch, hkv, n_k, dp), (torch.int8,)),
+        "k_scale": ((batch, hkv, n_k), (torch.float32,)),
+        "v": ((batch, hkv, n_k, d), _GRAD_DTYPES),
+        "lse": ((batch, hq, n_q), (torch.float32,)),
+        "kv_lens": ((batch,), _KV_LENS_DTYPES),
+    }
+    tensors = dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=q, q_scale=q_scale, k=k,
+                   k_scale=k_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=attn_mask)
+    for name, t in tensors.items():
+        if t is None:
+            if name not in ("kv_lens", "attn_mask"):
+                fail(f"{name} is required")
+            continue
+        if not isinstance(t, torch.Tensor):
+            fail(f"{name} must be a tensor, got {type(t)}")
+        if t.device != q.device:
+            fail(f"{name} is on {t.device}, q on {q.device}; every tensor must be on one device")
+        if name in expected:
+            shape, dtypes = expected[name]
+            if tuple(t.shape) != shape:
+                fail(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype not in dtypes:
+                fail(f"{name}.dtype={t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if v.dtype != grad_out.dtype:
+        fail(f"v ({v.dtype}) and grad_out ({grad_out.dtype}) must share a dtype: dP = dO·Vᵀ is one 16-bit dot")
+    for name in ("do8", "q", "k", "do_scale"):  # the int8 dot operands and δdO are read with unit channel stride
+        t = tensors[name]
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            fail(f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
+    if attn_mask is not None:
+        if attn_mask.dtype not in _MASK_DTYPES:
+            fail(f"attn_mask must be bool or float32 (got {attn_mask.dtype})")
+        if attn_mask.dim() != 4:
+            fail(f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(attn_mask.shape)})")
+        bm, hm, mq, mk = attn_mask.shape
+        if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
+            fail(f"attn_mask shape {tuple(attn_mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
+                 f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    do8: torch.Tensor,
+    do_scale: torch.Tensor,
+    delta: torch.Tensor,
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    kv_lens: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor],
+    causal: int,
+    scale: float,
+):
+    """-> (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32: ``spec.attention_backward_reference`` (its
+    arguments, in its order: grad_out and v 16-bit with any strides, ``prepare_backward``'s dÔ, δdO, D, the
+    forward's prepared q, δQ, k, δK and its natural-log lse; ``attn_mask`` in kernel form, broadcast dims read with
+    stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv), dQ (⌈Nq/64⌉, B·Hq)."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("sage attention backward (triton): Triton is not installed")
+    check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal)
+    batch, hq, n_q, dp = q.shape
+    hkv, n_k = k.shape[1], k.shape[2]
+    d = grad_out.shape[-1]
+    dq = torch.empty(batch, hq, n_q, d, dtype=torch.float32, device=q.device)
+    dk = torch.empty(batch, hkv, n_k, d, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(dk)
+    if batch == 0 or hq == 0:
+        return dq, dk, dv
+    dummy = q_scale
+    kvl = kv_lens if kv_lens is not None else dummy
+    if attn_mask is not None:
+        mask_is_bool = attn_mask.dtype == torch.bool
+        am = attn_mask.view(torch.uint8) if mask_is_bool else attn_mask  # same bytes; 0 = masked
+        am_strides = broadcast_strides(attn_mask)
+    else:
+        mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
+    causal_offset = n_k - n_q if causal == spec.CAUSAL_BOTTOM_RIGHT else 0
+    warps_kv, warps_q, stages = launch_config(dp)
+    flags = dict(HEAD_DP=dp, BLOCK=BLOCK, CAUSAL=causal != spec.CAUSAL_NONE, HAS_MASK=attn_mask is not None,
+                 MASK_IS_BOOL=mask_is_bool)
+    sdo = grad_out.stride()
+    sv = v.stride()
+    if n_k > 0:
+        _bwd_dkdv[(triton.cdiv(n_k, BLOCK), batch * hkv)](
+            grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kvl, am, dk, dv,
+            sdo[0], sdo[1], sdo[2], sdo[3], do8.stride(0), do8.stride(1), do8.stride(2),
+            do_scale.stride(0), do_scale.stride(1), do_scale.stride(2), delta.stride(0), delta.stride(1),
+            q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), k_scale.stride(0), k_scale.stride(1),
+            sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            hkv, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
+            num_warps=warps_kv, num_stages=stages, **flags,
+        )
+    if n_q > 0:
+        _bwd_dq[(triton.cdiv(n_q, BLOCK), batch * hq)](
+            grad_out, delta, q, q_scale, k, k_scale, v, lse, kvl, am, dq, float(scale),
+            sdo[0], sdo[1], sdo[2], sdo[3], delta.stride(0), delta.stride(1),
+            q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
+            k.stride(0), k.stride(1), k.stride(2), k_scale.stride(0), k_scale.stride(1),
+            sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            hq, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
+            num_warps=warps_q, num_stages=stages, **flags,
+        )
+    return dq, dk, dv
