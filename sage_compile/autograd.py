@@ -27,10 +27,11 @@ class BackwardCall:
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, family):
+    def forward(ctx, q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, scheme, family):
+        """``scheme``: the forward's numerics — the family's ``forward_scheme`` of the config's."""
         from .ops import quantized_forward
 
-        prepared, kernel_mask, out, lse = quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme)
+        prepared, kernel_mask, out, lse = quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme)
         module = backward_kernels.family(family)
         ctx.save_for_backward(*module.saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse), kv_lens)
         ctx.call = BackwardCall(scale, causal, enable_gqa, family)

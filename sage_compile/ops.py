@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import autograd, dispatch, prep, spec
 from .config import SageConfig
 from .kernels import KernelArgs
+from .kernels import backward as backward_kernels
 from .scheme import Scheme
 from .sites import UnsupportedAttentionError, remedy, warn_once
 from .support import AttentionCall, sdpa_is_faster, unsupported_reason
@@ -109,15 +110,14 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if _needs_grad(q, k, v):
         torch._dynamo.utils.counters["sage"]["with_backward"] += 1
         family = _backward_family(config)
-        return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config,
+        scheme = backward_kernels.family(family).forward_scheme(config.scheme)
+        return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, scheme,
                                                 family)
     return quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)[2]
 
 
 def _backward_family(config: SageConfig) -> str:
     """config.backward, or "sdpa" — reported like any fallback — where that family cannot differentiate the scheme."""
-    from .kernels import backward as backward_kernels
-
     reason = backward_kernels.family(config.backward).unsupported(config.scheme)
     if reason is None:
         return config.backward
@@ -233,8 +233,6 @@ def attention_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 8-bit backward's products (spec.attention_backward_reference says what each argument holds): returns
     (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32, D = v's head dim. Triton on CUDA, the spec elsewhere."""
-    from .kernels import backward as backward_kernels
-
     grads = backward_kernels.products(q.device)(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
                                                 kv_lens, attn_mask, causal, scale)
     return tuple(g.contiguous() for g in grads)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from helpers import SelfAttention, attention_shapes, cosine, random_qkv, rel_l1
 from sage_compile import SageConfig, ops, sage_attention, spec  # noqa: F401 (ops registers sage::*)
+from sage_compile.kernels.backward import sage as sage_family
 from sage_compile.scheme import Scheme
 
 SAGE_BWD = SageConfig(min_seq_len=0, backward="sage", fallback="error")
@@ -24,9 +25,10 @@ def _exact_grads(q, k, v, grad_out, **kwargs):
 
 
 def _spec_grads(q, k, v, grad_out, scale=None, causal=spec.CAUSAL_NONE, kv_lens=None, attn_mask=None):
-    """The spec end to end in fp32: prepare → forward reference (out, lse) → prepare_backward → backward."""
+    """The spec end to end in fp32: prepare (the sage family's forward scheme) → forward reference (out, lse) →
+    prepare_backward → backward."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = spec.prepare(q, k, v, scale, Scheme(), kv_lens)
+    p = spec.prepare(q, k, v, scale, sage_family.forward_scheme(Scheme()), kv_lens)
     mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
     out, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
                                                   kv_lens, mask, causal, q.shape[-1], q.dtype, p.scheme)

@@ -13,6 +13,10 @@ def unsupported(scheme):
     return None
 
 
+def forward_scheme(scheme):
+    return scheme
+
+
 def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
     return q, k, v, attn_mask
 
