@@ -84,6 +84,7 @@ def train_run(name, compile_fn, train, held_out, opts) -> dict:
     torch.manual_seed(0)
     model = ByteLM().cuda()
     compiled = compile_fn(model)
+    torch._dynamo.utils.counters.clear()
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, opts.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
@@ -108,7 +109,8 @@ def train_run(name, compile_fn, train, held_out, opts) -> dict:
                 held.append((step + 1, statistics.mean(_loss(compiled, ex, ey).item() for ex, ey in evals)))
             print(json.dumps(dict(run=name, step=step + 1, loss=losses[-1], held_out=held[-1][1])), flush=True)
     tail = losses[-max(1, opts.steps // 10):]
-    return dict(run=name, losses=losses, held_out=held, final_train_loss=statistics.mean(tail),
+    return dict(run=name, sage_counters=dict(torch._dynamo.utils.counters["sage"]), losses=losses, held_out=held,
+                final_train_loss=statistics.mean(tail),
                 final_held_out=held[-1][1], step_ms_median=1e3 * statistics.median(times[10:] or times))
 
 
