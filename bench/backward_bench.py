@@ -88,6 +88,13 @@ def _kernels_fwd_bwd(prepared_sets, grad_out, causal, d):
     return call
 
 
+def _sdpa_call(causal: bool):
+    """F.sdpa with ``causal`` closed over (a default argument would become a symbolic int under dynamic=True)."""
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attention
+
+
 def speed_rows(ns, ds, causals):
     import sage_compile
     from sage_compile import SageConfig, spec
@@ -99,8 +106,7 @@ def speed_rows(ns, ds, causals):
         heads = SHAPES[d]
         for causal in causals:
             torch._dynamo.reset()
-            compiled = sage_compile.compile(lambda q, k, v, c=causal: F.scaled_dot_product_attention(
-                q, k, v, is_causal=bool(c)), config=config, dynamic=True)
+            compiled = sage_compile.compile(_sdpa_call(bool(causal)), config=config, dynamic=True)
             for n in ns:
                 batch = max(1, TOKENS // n)
                 g = torch.Generator(device="cuda").manual_seed(n)

@@ -162,10 +162,15 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     token's x̂ unspecified (its NaN δ poisons every score it enters; the Triton prep stores what its rint trick makes
     of NaN·0); this reference selects 0 before the int8 cast, so no NaN or Inf is ever cast here."""
     ok = torch.isfinite(amax)
-    delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
-    delta = torch.where(ok, delta, math.nan)
+    delta = symmetric_delta(amax, levels)
     xq = torch.where(ok.unsqueeze(-1), torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels), 0.0)
     return xq.to(torch.int8), delta
+
+
+def symmetric_delta(amax: torch.Tensor, levels: int) -> torch.Tensor:
+    """quantize_symmetric's step for a group of absolute maximum ``amax``: NaN where amax is not finite."""
+    delta = fma_friendly((amax / levels).clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.where(torch.isfinite(amax), delta, math.nan)
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -477,12 +482,16 @@ def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor):
     [B,Hq,ceil(Nq/BWD_BLOCK),Dp] — one scale per channel of each BWD_BLOCK query rows, the rows dV's product sums
     over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O))."""
     n, d = grad_out.shape[-2], grad_out.shape[-1]
-    go = grad_out.float()
-    delta = (go * out.float()).sum(dim=-1)
-    tiles = torch.nn.functional.pad(go, (0, padded_head_dim(d) - d, 0, (-n) % BWD_BLOCK))
-    tiles = tiles.unflatten(-2, (-1, BWD_BLOCK)).transpose(-1, -2)  # [B,Hq,T,Dp,BWD_BLOCK]: a channel's rows last
-    do8, do_scale = quantize_symmetric(tiles, tiles.abs().amax(dim=-1), GRAD_LEVELS)
-    return do8.transpose(-1, -2).flatten(-3, -2)[..., :n, :], do_scale, delta
+    go = torch.nn.functional.pad(grad_out.float(), (0, padded_head_dim(d) - d))
+    delta = (go[..., :d] * out.float()).sum(dim=-1)
+    # each tile's amax by a scatter-reduce over row → tile indices, each row's gathered back: no padded view whose
+    # shape depends on N mod BWD_BLOCK (a guard that would recompile a dynamic N)
+    tile = torch.arange(n, device=go.device) // BWD_BLOCK
+    amax = go.new_zeros(*go.shape[:-2], -(-n // BWD_BLOCK), go.shape[-1]).scatter_reduce(
+        -2, tile[:, None].expand(go.shape[-2:]).expand(go.shape), go.abs(), "amax")
+    rows_amax = amax.index_select(-2, tile)
+    do8, _ = quantize_symmetric(go.unsqueeze(-1), rows_amax, GRAD_LEVELS)
+    return do8.squeeze(-1), symmetric_delta(amax, GRAD_LEVELS), delta
 
 
 def attention_backward_reference(

@@ -186,11 +186,11 @@ def test_compiled_training_step_runs_the_8bit_backward():
         y = sage_attention(q, k, v, is_causal=True, config=SageConfig(min_seq_len=0, backward="sage"))
         return model.out(y.transpose(1, 2).reshape(b, n, -1))
 
-    ours, codes = run_and_get_code(grads, compiled, 96)
+    ours, codes = run_and_get_code(grads, compiled, 128)
     assert any("sage.attention_backward" in code for code in codes), "no backward op in the generated code"
     assert any("sage.quantized_attention" in code for code in codes)
-    for n in (130, 257):
+    for n in (130, 257):  # off the backward's 64-row tiles: still the one graph
         grads(compiled, n)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert counters["sage"]["fallbacks"] == 0
-    assert all(cosine(a, b) > 0.999 for a, b in zip(ours, grads(eager_forward, 96)))
+    assert all(cosine(a, b) > 0.999 for a, b in zip(ours, grads(eager_forward, 128)))
