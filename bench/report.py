@@ -168,6 +168,78 @@ def accuracy_section(runs, minilm) -> list:
     return lines
 
 
+def backward_section(runs) -> list:
+    lines = ["## Training: the 8-bit backward", "",
+             "`python -m sage_compile bench backward`: `SageConfig(backward=\"sage\")` — gradients against fp32 "
+             "autograd of exact attention (B=1, H=8, D=128, bf16 inputs; the `sdpa` rows: the 8-bit forward with bf16 "
+             "SDPA's own gradient), and one attention's forward + backward speed, TOPS = 3.5·4·B·H·N²·D / t (halved "
+             "for causal), B·N = 16K. kernels: the two sage kernels on prepared operands; compiled: torch.compile with "
+             "backend=\"sage\", preps included.", ""]
+    for _, data in runs:
+        lines += [f"### {measured(data)}", "", "| N | inputs | backward | dq cosine | dk cosine | dv cosine | "
+                  "dq relative L1 |", "|---|---|---|---|---|---|---|"]
+        for r in data["accuracy"]:
+            lines.append(f"| {r['n']} | {r['dist']} | {r['backward']} | {r['dq_cos']:.5f} | {r['dk_cos']:.5f} | "
+                         f"{r['dv_cos']:.5f} | {r['dq_rel_l1']:.4f} |")
+        lines += ["", "| D | N | causal | sage kernels | sage compiled | cuDNN | flash |", "|---|---|---|---|---|---|---|"]
+        for r in data["speed"]:
+            cells = " | ".join(_f(r.get(f"{c}_tops")) for c in ("kernels", "compiled", "cudnn", "flash"))
+            lines.append(f"| {r['d']} | {r['n']} | {r['causal']} | {cells} |")
+        lines.append("")
+    return lines
+
+
+def train_section(runs, directory) -> list:
+    lines = ["## Training runs", "",
+             "`python -m sage_compile bench train`: a GPT-2-small-shaped byte-level decoder trained from scratch on the "
+             "Python standard library's source (same weights and batches per run; `sage` = backend=\"sage\" with "
+             "backward=\"sage\"), and a Llama-3-8B-shaped 2-layer training step (forward + backward).", ""]
+    for slug, data in runs:
+        curves = data.get("loss_curves")
+        lines += [f"### {measured(data)}", ""]
+        if curves:
+            lines += [f"{curves['steps']} steps of {curves['batch']}×{curves['seq']} tokens.", "",
+                      "| run | final train loss | gap | held-out loss | gap | step ms |", "|---|---|---|---|---|---|"]
+            for r in curves["runs"]:
+                lines.append(f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['final_train_gap']:+.2f}% | "
+                             f"{r['final_held_out']:.4f} | {100 * r['final_held_out_gap']:+.2f}% | "
+                             f"{r['step_ms_median']:.1f} |")
+            name = f"train_loss_{slug}.png"
+            if _plot_losses(curves, os.path.join(directory, name)) or os.path.exists(os.path.join(directory, name)):
+                lines += ["", f"![loss curves]({name})"]
+            lines.append("")
+        lines += ["| tokens | inductor ms | sage ms (backward sage) | speed-up | sage ms (backward sdpa) | speed-up |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["step_speed"]:
+            lines.append(f"| {r['tokens']} | {r['inductor_ms']:.1f} | {r['sage_ms']:.1f} | {r['speedup']:.2f}× | "
+                         f"{r['sage_sdpa_bwd_ms']:.1f} | {r['speedup_sdpa_bwd']:.2f}× |")
+        lines.append("")
+    return lines
+
+
+def _plot_losses(curves, path) -> bool:
+    """Training loss (a 20-step running mean) and held-out loss per run, side by side."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for r in curves["runs"]:
+        losses = r["losses"]
+        smooth = [sum(losses[max(0, i - 19):i + 1]) / len(losses[max(0, i - 19):i + 1]) for i in range(len(losses))]
+        axes[0].plot(range(1, len(losses) + 1), smooth, label=r["run"])
+        axes[1].plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], "-o", label=r["run"])
+    for ax, title in zip(axes, ("training loss (20-step mean)", "held-out loss")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def summary(kernel, e2e, models) -> list:
     """One line per device: the figures README.md quotes."""
     lines = ["## Summary", "", "D=128, bf16. Kernel: non-causal, N=16K. End to end: rope → attention, N=4K, "
@@ -265,6 +337,8 @@ def render(directory) -> str:
     else:
         lines += models_section(models)
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
+    lines += backward_section(_load(directory, "backward"))
+    lines += train_section(_load(directory, "train"), directory)
     return "\n".join(lines).rstrip() + "\n"
 
 
