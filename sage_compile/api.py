@@ -37,7 +37,7 @@ _DEFAULT_CONFIG = SageConfig()
 
 def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, *, causal_alignment: str = "top_left",
-                   config: Optional[SageConfig] = None):
+                   config: Optional[SageConfig] = None, return_lse: bool = False):
     """F.scaled_dot_product_attention's signature and meaning, computed as 8-bit attention.
 
     ``is_causal`` is top-left aligned like SDPA; ``causal_alignment="bottom_right"`` aligns the last
@@ -45,6 +45,9 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     ``dropout_p > 0``, fp32 unless allowed, inputs that need grad...) runs as F.scaled_dot_product_attention,
     counted and warned once per reason — or raises UnsupportedAttentionError with ``fallback="error"``.
     The decision is made by sage.attention's decomposition, so it is static under torch.compile.
+    ``return_lse=True`` returns ``(out, lse)``: lse [B, Hq, Nq] fp32, the natural-log log-sum-exp of each row's
+    scaled, masked scores (−inf for a row that sees no key) — enough to merge attentions over parts of the keys
+    (``sage_compile.merge_attention``). Inference only (no grad), no dropout.
     """
     from . import ops  # noqa: F401  (registers the ops on first use)
 
@@ -52,8 +55,24 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise ValueError(f"causal_alignment={causal_alignment!r}: expected one of {sorted(_ALIGNMENTS)}")
     causal = _ALIGNMENTS[causal_alignment] if is_causal else spec.CAUSAL_NONE
     config = _DEFAULT_CONFIG if config is None else config
-    return torch.ops.sage.attention(query, key, value, attn_mask, dropout_p, scale, causal, enable_gqa,
-                                    **config.op_kwargs())
+    op = torch.ops.sage.attention_with_lse if return_lse else torch.ops.sage.attention
+    return op(query, key, value, attn_mask, dropout_p, scale, causal, enable_gqa, **config.op_kwargs())
+
+
+def merge_attention(parts):
+    """Attention over the union of disjoint key sets from the parts over each: ``parts`` is a list of (out, lse)
+    as ``sage_attention(..., return_lse=True)`` returns them, same queries; returns (out, lse) of the whole.
+    out = Σ_i e^(lse_i − lse)·out_i (in fp32, returned in the first out's dtype), lse = log Σ_i e^(lse_i); a part
+    whose row saw no key (lse −inf) weighs 0, and a row no part saw is 0 with lse −inf."""
+    outs, lses = zip(*parts)
+    lse = torch.stack([t.float() for t in lses])
+    top = lse.amax(dim=0)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    weights = torch.exp(lse - top)  # [P, B, H, N]
+    total = weights.sum(dim=0)
+    out = sum(w.unsqueeze(-1) * o.float() for w, o in zip(weights, outs))
+    out = torch.where(total.unsqueeze(-1) > 0, out / total.unsqueeze(-1), torch.zeros_like(out))
+    return out.to(outs[0].dtype), top + torch.log(total)
 
 
 _ALIGNMENTS = {"top_left": spec.CAUSAL_TOP_LEFT, "bottom_right": spec.CAUSAL_BOTTOM_RIGHT}

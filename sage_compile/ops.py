@@ -38,6 +38,8 @@ _SDPA_ARGS = "Tensor? attn_mask=None, float dropout_p=0.0, float? scale=None, in
 _ROPE_PRODUCER_ARGS = ("bool interleaved=False, Tensor? q_norm_weight=None, float? q_norm_eps=None, "
                        "Tensor? k_norm_weight=None, float? k_norm_eps=None")
 _LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, str config='', Tensor? kv_lens=None) -> Tensor")
+_LIB.define(f"attention_with_lse(Tensor q, Tensor k, Tensor v, {_SDPA_ARGS}, str config='', Tensor? kv_lens=None) "
+            "-> (Tensor, Tensor)")
 _LIB.define(f"rope_attention(Tensor xq, Tensor xk, Tensor v, Tensor[] q_tables, Tensor[] k_tables, {_SDPA_ARGS}, "
             f"str config='', Tensor? kv_lens=None, {_ROPE_PRODUCER_ARGS}) -> Tensor")
 
@@ -61,6 +63,33 @@ def _attention_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None,
     """Supported: the prep in aten ops + sage.quantized_attention. Otherwise: F.sdpa, reported."""
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, SageConfig.from_op_key(config),
                          kv_lens)
+
+
+@torch.library.impl(_LIB, "attention_with_lse", "CompositeImplicitAutograd")
+def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, causal=0, enable_gqa=False,
+                                      config="", kv_lens=None):
+    """sage.attention that also returns the log-sum-exp of each row's scaled, masked scores (natural log, SDPA's
+    scores: [B,Hq,Nq] fp32, −inf for a row that sees no key) — what merging partial attentions needs. Inference only."""
+    config = SageConfig.from_op_key(config)
+    check_attention_inputs(q, k, v)
+    if _needs_grad(q, k, v):
+        raise RuntimeError("sage_attention(return_lse=True) has no backward yet: call it under torch.no_grad() or "
+                           "torch.inference_mode()")
+    if dropout_p:
+        raise ValueError(f"sage_attention(return_lse=True): dropout_p={dropout_p}; the LSE of a dropped-out "
+                         "attention is not defined: pass dropout_p=0")
+    call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
+    reason = unsupported_reason(call, config, False)
+    choice = None if reason is not None else sdpa_is_faster(call, config)
+    if reason is not None or choice is not None:
+        report_fallback(reason or choice, config, choice=reason is None)
+        return sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = spec.prepare(q, k, v, scale, config.scheme, kv_lens, want_lse=True, v_prep=prep.prepare_v)
+    out, lse = torch.ops.sage.quantized_attention(
+        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
+        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, config.scheme.encode())
+    return out, lse + p.lse_shift  # the kernel's LSE is over the smoothed scores: + scale·q·μK gives SDPA's
 
 
 @torch.library.impl(_LIB, "rope_attention", "CompositeImplicitAutograd")
@@ -148,17 +177,34 @@ def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_l
     if causal == spec.CAUSAL_TOP_LEFT and kv_lens is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=True,
                                               scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_folded_mask(q, k, attn_mask, causal, kv_lens),
+                                          dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def _folded_mask(q, k, attn_mask, causal, kv_lens):
+    """attn_mask with the causal alignment and kv_lens folded in (bool stays bool, additive gets −inf)."""
     keep = spec.causal_allowed(q.shape[-2], k.shape[-2], causal, q.device)  # None when not causal
     if kv_lens is not None:
         valid = spec.valid_key_mask(kv_lens, k.shape[-2])[:, None, None, :]
         keep = valid if keep is None else keep & valid
-    if keep is not None:
-        if attn_mask is None or attn_mask.dtype == torch.bool:
-            attn_mask = keep if attn_mask is None else attn_mask & keep
-        else:
-            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=enable_gqa)
+    if keep is None:
+        return attn_mask
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return keep if attn_mask is None else attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+def sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens=None):
+    """SDPA's output and the log-sum-exp of its scores (computed from the full score matrix: the fallback of
+    ``sage.attention_with_lse``)."""
+    out = sdpa_fallback(q, k, v, attn_mask, 0.0, scale, causal, enable_gqa, kv_lens)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q.float() @ kf.transpose(-1, -2) * scale
+    mask = _folded_mask(q, k, attn_mask, causal, kv_lens)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    return out, torch.logsumexp(scores, dim=-1)
 
 
 def report_fallback(reason: str, config: SageConfig, choice: bool = False) -> None:

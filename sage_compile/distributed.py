@@ -1,0 +1,123 @@
+"""Context parallelism: one attention over a sequence split across the ranks of a process group, on
+torch.distributed (any backend: NCCL on GPUs, gloo on CPUs).
+
+* ``ring_attention`` — each rank keeps its queries; K/V shards travel round the ring (P2P ``batch_isend_irecv``,
+  the next shard in flight while this one is computed) and the partial attentions merge by their LSE
+  (``merge_attention``). Causal: shard the sequence with ``shard_sequence(..., causal=True)`` (zigzag: rank r holds
+  chunks r and 2P−1−r of 2P), so every rank does the same work at every step.
+* ``ulysses_attention`` — an all-to-all turns sequence shards into head shards, each rank runs the whole sequence
+  for H/P heads, and a second all-to-all turns it back. Needs Hq and Hkv divisible by P.
+
+q, k, v are this rank's shards [B, H, N_local, D] (``shard_sequence`` makes them; ``gather_sequence`` undoes it). Each
+local attention is ``sage_attention`` with ``config`` (say ``SageConfig(min_seq_len=0)`` to keep short shards off
+SDPA's threshold). Inference only: no backward through the communication yet.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .api import merge_attention, sage_attention
+from .config import SageConfig
+
+
+def _group_size_rank(group):
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _chunk_ids(rank: int, world: int, causal: bool) -> List[int]:
+    """The sequence chunks a rank holds: chunk ``rank`` of ``world``; causal, chunks rank and 2·world−1−rank of
+    2·world (zigzag)."""
+    return [rank, 2 * world - 1 - rank] if causal else [rank]
+
+
+def shard_sequence(x: torch.Tensor, group=None, causal: bool = False, dim: int = -2) -> torch.Tensor:
+    """This rank's shard of a full sequence ``x`` (split along ``dim``): contiguous, or zigzag where ``causal``. The
+    length must divide into world (causal: 2·world) equal chunks."""
+    world, rank = _group_size_rank(group)
+    parts = 2 * world if causal else world
+    if x.shape[dim] % parts:
+        raise ValueError(f"shard_sequence: length {x.shape[dim]} does not split into {parts} equal chunks "
+                         f"({'2·' if causal else ''}world size {world})")
+    chunks = x.chunk(parts, dim=dim)
+    return torch.cat([chunks[i] for i in _chunk_ids(rank, world, causal)], dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, group=None, causal: bool = False, dim: int = -2) -> torch.Tensor:
+    """The full sequence from every rank's shard (``shard_sequence``'s inverse; an all-gather)."""
+    world, _ = _group_size_rank(group)
+    shards = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    per_rank = len(_chunk_ids(0, world, causal))
+    chunks = {}
+    for r, shard in enumerate(shards):
+        for cid, part in zip(_chunk_ids(r, world, causal), shard.chunk(per_rank, dim=dim)):
+            chunks[cid] = part
+    return torch.cat([chunks[i] for i in sorted(chunks)], dim=dim)
+
+
+def ring_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional[float] = None,
+                   enable_gqa: bool = False, config: Optional[SageConfig] = None, return_lse: bool = False):
+    """Attention of this rank's queries over every rank's keys (see the module docstring); returns this rank's
+    output shard (and its LSE with ``return_lse``)."""
+    world, rank = _group_size_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+    prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    kv = torch.stack([k, v]).contiguous()  # one message per step
+    parts: dict = {}
+    for step in range(world):
+        requests, incoming = [], None
+        if step + 1 < world:
+            incoming = torch.empty_like(kv)
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
+                                               dist.P2POp(dist.irecv, incoming, prv, group)])
+        source = (rank - step) % world  # whose K/V shard this is
+        for q_chunk, partial in _partials(q, kv[0], kv[1], rank, source, world, is_causal, scale, enable_gqa,
+                                          config):
+            parts.setdefault(q_chunk, []).append(partial)
+        for request in requests:
+            request.wait()
+        if incoming is not None:
+            kv = incoming
+    merged = [merge_attention(parts[c]) for c in sorted(parts, key=_chunk_ids(rank, world, is_causal).index)]
+    out = torch.cat([o for o, _ in merged], dim=-2)
+    return (out, torch.cat([lse for _, lse in merged], dim=-1)) if return_lse else out
+
+
+def _partials(q, k, v, rank, source, world, causal, scale, enable_gqa, config):
+    """(query chunk id, (out, lse)) for this rank's query chunks against ``source``'s K/V chunks: every pair that
+    is not entirely in the causal future (a later chunk is skipped, the same chunk is causal, an earlier one full)."""
+    q_ids, kv_ids = _chunk_ids(rank, world, causal), _chunk_ids(source, world, causal)
+    q_chunks, k_chunks, v_chunks = q.chunk(len(q_ids), dim=-2), k.chunk(len(kv_ids), dim=-2), v.chunk(len(kv_ids), -2)
+    for qi, qc in zip(q_ids, q_chunks):
+        for ki, kc, vc in zip(kv_ids, k_chunks, v_chunks):
+            if causal and ki > qi:
+                continue
+            yield qi, sage_attention(qc, kc, vc, is_causal=causal and ki == qi, scale=scale, enable_gqa=enable_gqa,
+                                     config=config, return_lse=True)
+
+
+def ulysses_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional[float] = None,
+                      enable_gqa: bool = False, config: Optional[SageConfig] = None):
+    """Attention over the whole sequence for sequence-sharded q, k, v (contiguous shards, rank order), by two
+    all-to-alls over heads (see the module docstring); returns this rank's output shard."""
+    world, _ = _group_size_rank(group)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[1] % world:
+            raise ValueError(f"ulysses_attention: {name} has {t.shape[1]} heads, not divisible by the group's "
+                             f"{world} ranks")
+    q_h, k_h, v_h = (_all_to_all(t, split_dim=1, cat_dim=-2, group=group) for t in (q, k, v))
+    out = sage_attention(q_h, k_h, v_h, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, config=config)
+    return _all_to_all(out, split_dim=-2, cat_dim=1, group=group)
+
+
+def _all_to_all(x, split_dim, cat_dim, group):
+    """Chunk i of ``x`` along split_dim goes to rank i; the chunks received, in rank order, are joined along
+    cat_dim."""
+    world, _ = _group_size_rank(group)
+    send = [c.contiguous() for c in x.chunk(world, dim=split_dim)]
+    recv = [torch.empty_like(send[0]) for _ in range(world)]
+    dist.all_to_all(recv, send, group=group)
+    return torch.cat(recv, dim=cat_dim)
