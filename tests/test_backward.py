@@ -148,6 +148,16 @@ def test_smooth_q_site_takes_sdpas_backward_and_says_so():
         sage_attention(q, k, v, config=SageConfig(min_seq_len=0, backward="sage", smooth_q=True, fallback="error"))
 
 
+def test_opcheck_attention_with_the_8bit_backward():
+    """opcheck of sage.attention with inputs that require grad (schema, fake tensors, autograd registration,
+    AOTAutograd with dynamic shapes) under backward="sage" (fp16 PV: opcheck compares tensors with allclose, which
+    fp8 tensors do not support)."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 4, 2, 70, 90, 64, seed=10))
+    config = SageConfig(min_seq_len=0, backward="sage", pv="fp16").op_key()
+    torch.library.opcheck(torch.ops.sage.attention.default, (q, k, v),
+                          dict(causal=spec.CAUSAL_TOP_LEFT, enable_gqa=True, config=config))
+
+
 def test_opcheck_attention_backward():
     q, k, v = random_qkv(1, 4, 2, 70, 90, 48, seed=9)
     p = spec.prepare(q, k, v, 48 ** -0.5, Scheme())

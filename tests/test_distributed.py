@@ -54,6 +54,13 @@ def test_lse_is_sdpas_and_merging_key_chunks_gives_the_whole(seed, n_k, cuts, ca
     assert torch.equal(merged[..., ~rows, :], torch.zeros_like(merged[..., ~rows, :]))  # no key anywhere: 0
 
 
+def test_opcheck_attention_with_lse():
+    q, k, v = random_qkv(1, 4, 2, 70, 90, 64, seed=2)
+    config = SageConfig(min_seq_len=0, pv="fp16").op_key()  # fp16 PV: opcheck's allclose does not take fp8
+    torch.library.opcheck(torch.ops.sage.attention_with_lse.default, (q, k, v),
+                          dict(causal=spec.CAUSAL_TOP_LEFT, enable_gqa=True, config=config))
+
+
 def test_return_lse_refuses_grad_and_dropout_and_falls_back_with_a_reason():
     q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=1)
     with pytest.raises(RuntimeError, match="no_grad"):
