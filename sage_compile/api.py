@@ -59,6 +59,57 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return op(query, key, value, attn_mask, dropout_p, scale, causal, enable_gqa, **config.op_kwargs())
 
 
+def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                          is_causal: bool = False, scale: Optional[float] = None, *,
+                          config: Optional[SageConfig] = None, return_lse: bool = False):
+    """Ragged batches in FlashAttention's packed layout: q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence i is
+    rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q and cu_seqlens_k[i]:cu_seqlens_k[i+1] of k and v (int32 or int64,
+    B+1 entries from 0). Returns out [total_q, Hq, D] (and lse [Hq, total_q] with ``return_lse``). Causal is
+    FlashAttention's: the last query aligned with the last key (bottom-right) where the lengths differ. GQA when Hq
+    is a multiple of Hkv. No padding is made: each sequence runs as a view of the packed tensors, one
+    ``sage_attention`` call per sequence (the lengths are read on the host: call it eagerly, outside torch.compile).
+    ``max_seqlen_*`` are checked against the lengths (FlashAttention sizes its grid by them)."""
+    lens_q, lens_k = _varlen_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
+    start_q = start_k = 0
+    for n_q, n_k in zip(lens_q, lens_k):
+        rows, keys = slice(start_q, start_q + n_q), slice(start_k, start_k + n_k)
+        one = sage_attention(*(t[s].transpose(0, 1).unsqueeze(0) for t, s in ((q, rows), (k, keys), (v, keys))),
+                             is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                             causal_alignment="bottom_right", config=config, return_lse=return_lse)
+        if return_lse:
+            one, one_lse = one
+            lse[:, rows] = one_lse[0]
+        out[rows] = one[0].transpose(0, 1)
+        start_q, start_k = start_q + n_q, start_k + n_k
+    return (out, lse) if return_lse else out
+
+
+def _varlen_lengths(q, k, v, cu_q, cu_k, max_q, max_k):
+    """The per-sequence lengths, with errors naming what is wrong."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"sage_attention_varlen: q, k, v must be packed [total, H, D]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"sage_attention_varlen: k and v hold {k.shape[0]} and {v.shape[0]} tokens")
+    lengths = []
+    for name, cu, total, most in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"sage_attention_varlen: {name} must be a 1-D int32/int64 tensor")
+        bounds = cu.tolist()
+        if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds)):
+            raise ValueError(f"sage_attention_varlen: {name}={bounds} must rise from 0 to the {total} packed tokens")
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        if lens and max(lens) > most:
+            raise ValueError(f"sage_attention_varlen: a sequence of {max(lens)} tokens exceeds max_seqlen {most}")
+        lengths.append(lens)
+    if len(lengths[0]) != len(lengths[1]):
+        raise ValueError(f"sage_attention_varlen: {len(lengths[0])} query sequences but {len(lengths[1])} key "
+                         "sequences")
+    return lengths
+
+
 def merge_attention(parts):
     """Attention over the union of disjoint key sets from the parts over each: ``parts`` is a list of (out, lse)
     as ``sage_attention(..., return_lse=True)`` returns them, same queries; returns (out, lse) of the whole.
