@@ -11,6 +11,7 @@ from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_f
 
 FALLBACKS = ("sdpa", "error")
 BACKWARDS = ("sage", "sdpa")
+CONTEXT_PARALLEL = ("", "ring", "ulysses")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 _PLUMBING = ("scheme", "inner_backend", "fuse_rope")  # not read by the sage.attention decomposition
 
@@ -27,7 +28,9 @@ class SageConfig:
     ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy); ``backward``:
     how gradients are computed when attention inputs require grad — "sdpa": the exact attention gradient at
     the same inputs (SDPA's backward; the forward stays 8-bit); "sage": the 8-bit backward (SageBwd: INT8 products,
-    dO·Vᵀ in 16-bit) from the forward's own quantized operands.
+    dO·Vᵀ in 16-bit) from the forward's own quantized operands. ``context_parallel`` "ring" / "ulysses": every
+    site's inputs are this rank's sequence shards and attention spans the default process group
+    (sage_compile.distributed; "" — the default — runs each rank on its own).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
     ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep
     (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep.
@@ -38,12 +41,13 @@ class SageConfig:
     min_seq_len: Optional[int]
     allow_fp32: bool
     backward: str
+    context_parallel: str
     inner_backend: str
     fuse_rope: bool
 
     def __init__(self, scheme: Optional[Scheme] = None, *, fallback: str = "sdpa", min_seq_len: Optional[int] = None,
-                 allow_fp32: bool = False, backward: str = "sdpa", inner_backend: str = "inductor",
-                 fuse_rope: bool = True, **scheme_fields):
+                 allow_fp32: bool = False, backward: str = "sdpa", context_parallel: str = "",
+                 inner_backend: str = "inductor", fuse_rope: bool = True, **scheme_fields):
         if scheme is not None and not isinstance(scheme, Scheme):
             raise TypeError(f"SageConfig.scheme={scheme!r}: expected a sage_compile.Scheme")
         unknown = [name for name in scheme_fields if name not in SCHEME_FIELDS]
@@ -51,12 +55,13 @@ class SageConfig:
             raise TypeError(unknown_name_message("SageConfig", unknown[0], OPTION_NAMES))
         values = dict(scheme=(scheme or Scheme()).replace(**scheme_fields), fallback=fallback,
                       min_seq_len=min_seq_len, allow_fp32=allow_fp32, backward=backward,
-                      inner_backend=inner_backend, fuse_rope=fuse_rope)
+                      context_parallel=context_parallel, inner_backend=inner_backend, fuse_rope=fuse_rope)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         check_field_types(self, "SageConfig")
         check_choice("SageConfig.fallback", fallback, FALLBACKS)
         check_choice("SageConfig.backward", backward, BACKWARDS)
+        check_choice("SageConfig.context_parallel", context_parallel, CONTEXT_PARALLEL)
         check_choice("SageConfig.inner_backend", inner_backend, INNER_BACKENDS)
         if min_seq_len is not None and min_seq_len < 0:
             raise ValueError(f"SageConfig.min_seq_len={min_seq_len!r}: expected None or an int ≥ 0")
@@ -117,7 +122,8 @@ def check_inductor_options(options: Mapping[str, Any]) -> None:
 
 
 OPTION_NAMES = tuple(f.name for f in fields(SageConfig) if f.name != "scheme") + SCHEME_FIELDS
-_OP_DEFAULTS = {"fallback": "sdpa", "min_seq_len": None, "allow_fp32": False, "backward": "sdpa"}
+_OP_DEFAULTS = {"fallback": "sdpa", "min_seq_len": None, "allow_fp32": False, "backward": "sdpa",
+                "context_parallel": ""}
 assert set(_OP_DEFAULTS) == {f.name for f in fields(SageConfig)} - set(_PLUMBING)
 
 

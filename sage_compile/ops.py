@@ -126,6 +126,8 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
     reason = unsupported_reason(call, config, torch.is_grad_enabled())
+    if config.context_parallel:
+        return _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason)
     if reason is not None:
         report_fallback(reason, config)
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
@@ -143,6 +145,26 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
         return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, scheme,
                                                 family)
     return quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)[2]
+
+
+def _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason):
+    """A site whose inputs are this rank's sequence shards: sage.context_parallel_attention over the default process
+    group. What it cannot run raises whatever the fallback policy — SDPA on the shard alone would attend to this
+    rank's keys only, a wrong result."""
+    problem = reason or next((text for bad, text in (
+        (attn_mask is not None, "an attn_mask"),
+        (kv_lens is not None, "kv_lens"),
+        (causal == spec.CAUSAL_BOTTOM_RIGHT, "bottom-right causal alignment"),
+        (_needs_grad(q, k, v), "inputs that require grad (no backward through the communication yet; wrap inference "
+                               "in torch.no_grad())")) if bad), None)
+    if problem is not None:
+        raise UnsupportedAttentionError(
+            f"sage.attention with context_parallel={config.context_parallel!r} cannot run this site: {problem}. SDPA "
+            "on this rank's shard alone would attend to its own keys only, so there is no fallback")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    torch._dynamo.utils.counters["sage"]["context_parallel"] += 1
+    return torch.ops.sage.context_parallel_attention(q, k, v, scale, causal != spec.CAUSAL_NONE, enable_gqa,
+                                                     config.op_key())
 
 
 def _backward_family(config: SageConfig) -> str:
@@ -290,3 +312,22 @@ def _(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, a
     dq = q.new_empty((*q.shape[:-1], d), dtype=torch.float32)
     dk = k.new_empty((*k.shape[:-1], d), dtype=torch.float32)
     return dq, dk, k.new_empty(dk.shape, dtype=torch.float32)
+
+
+@_define_op()
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool,
+                               enable_gqa: bool, config: str) -> torch.Tensor:
+    """Attention over the sequence split across the default process group, q, k, v this rank's shards (zigzag for
+    causal ring attention, contiguous otherwise): ``sage_compile.distributed``'s ring or Ulysses attention, as
+    ``config``'s context_parallel names. Opaque to the compiler: the collectives run inside."""
+    from . import distributed
+
+    config = SageConfig.from_op_key(config)
+    attention = distributed.ring_attention if config.context_parallel == "ring" else distributed.ulysses_attention
+    return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                     config=config.replace(context_parallel=""))
+
+
+@torch.library.register_fake("sage::context_parallel_attention")
+def _(q, k, v, scale, is_causal, enable_gqa, config):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))

@@ -103,3 +103,16 @@ def test_shard_sequence_names_a_length_that_does_not_split(monkeypatch):
         distributed.shard_sequence(x, causal=True)
     x8 = torch.arange(16.0).view(1, 1, 8, 2)
     assert torch.equal(distributed.shard_sequence(x8, causal=True), torch.cat([x8[:, :, 0:2], x8[:, :, 6:8]], dim=2))
+
+
+def test_context_parallel_site_it_cannot_run_raises_never_falls_back():
+    """SDPA on one rank's shard would attend to that rank's keys only: a mask, kv_lens or grad raises (whatever the
+    fallback policy) with the reason."""
+    from sage_compile import UnsupportedAttentionError
+
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=3)
+    config = SageConfig(min_seq_len=0, context_parallel="ring")
+    with pytest.raises(UnsupportedAttentionError, match="an attn_mask.*no fallback"):
+        sage_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), config=config)
+    with pytest.raises(UnsupportedAttentionError, match="require grad"):
+        sage_attention(q.requires_grad_(), k, v, config=config)
