@@ -331,3 +331,20 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @torch.library.register_fake("sage::context_parallel_attention")
 def _(q, k, v, scale, is_causal, enable_gqa, config):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@_define_op()
+def backward_prep(grad_out: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """spec.prepare_backward: (dÔ, δdO, D) for sage.attention_backward. An opaque op, not aten ops in the graph:
+    Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of it
+    guarded N mod 64), so it is not yet fused into dO's producer."""
+    return spec.prepare_backward(grad_out, out)
+
+
+@torch.library.register_fake("sage::backward_prep")
+def _(grad_out, out):
+    batch, heads, n, d = grad_out.shape
+    dp, tiles = spec.padded_head_dim(d), -(-n // spec.BWD_BLOCK)
+    return (grad_out.new_empty((batch, heads, n, dp), dtype=torch.int8),
+            grad_out.new_empty((batch, heads, tiles, dp), dtype=torch.float32),
+            grad_out.new_empty((batch, heads, n), dtype=torch.float32))

@@ -478,20 +478,15 @@ GRAD_LEVELS = 127  # INT8 levels of P, dO and the two dS operands
 
 
 def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor):
-    """The backward's prep (aten ops, fused by Inductor into dO's producer): (dÔ int8 [B,Hq,Nq,Dp], δdO fp32
-    [B,Hq,ceil(Nq/BWD_BLOCK),Dp] — one scale per channel of each BWD_BLOCK query rows, the rows dV's product sums
-    over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O))."""
+    """The backward's prep: (dÔ int8 [B,Hq,Nq,Dp], δdO fp32 [B,Hq,ceil(Nq/BWD_BLOCK),Dp] — one scale per channel
+    of each BWD_BLOCK query rows, the rows dV's product sums over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O))."""
     n, d = grad_out.shape[-2], grad_out.shape[-1]
     go = torch.nn.functional.pad(grad_out.float(), (0, padded_head_dim(d) - d))
     delta = (go[..., :d] * out.float()).sum(dim=-1)
-    # each tile's amax by a scatter-reduce over row → tile indices, each row's gathered back: no padded view whose
-    # shape depends on N mod BWD_BLOCK (a guard that would recompile a dynamic N)
-    tile = torch.arange(n, device=go.device) // BWD_BLOCK
-    amax = go.new_zeros(*go.shape[:-2], -(-n // BWD_BLOCK), go.shape[-1]).scatter_reduce(
-        -2, tile[:, None].expand(go.shape[-2:]).expand(go.shape), go.abs(), "amax")
-    rows_amax = amax.index_select(-2, tile)
-    do8, _ = quantize_symmetric(go.unsqueeze(-1), rows_amax, GRAD_LEVELS)
-    return do8.squeeze(-1), symmetric_delta(amax, GRAD_LEVELS), delta
+    tiles = torch.nn.functional.pad(go, (0, 0, 0, (-n) % BWD_BLOCK)).unflatten(-2, (-1, BWD_BLOCK))
+    amax = tiles.abs().amax(dim=-2)  # [B,Hq,T,Dp]
+    do8, _ = quantize_symmetric(tiles.unsqueeze(-1), amax.unsqueeze(-2).expand(tiles.shape), GRAD_LEVELS)
+    return do8.squeeze(-1).flatten(-3, -2)[..., :n, :].contiguous(), symmetric_delta(amax, GRAD_LEVELS), delta
 
 
 def attention_backward_reference(

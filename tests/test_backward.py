@@ -164,6 +164,7 @@ def test_opcheck_attention_backward():
     out, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None, None,
                                                   None, spec.CAUSAL_TOP_LEFT, 48, q.dtype, p.scheme)
     grad_out = torch.randn(q.shape).to(q.dtype)
+    torch.library.opcheck(torch.ops.sage.backward_prep.default, (grad_out, out))
     do8, do_scale, delta = spec.prepare_backward(grad_out, out)
     args = (grad_out, do8, do_scale, delta, p.q, p.q_scale, p.k, p.k_scale, v, lse, None, None,
             spec.CAUSAL_TOP_LEFT, 48 ** -0.5)

@@ -1,7 +1,6 @@
 """Backward family ``sage``: the 8-bit backward (SageBwd; spec.attention_backward_reference). It reuses the
 forward's own INT8 operands — Q̂, δQ, smoothed K̂, δK — with v, the output and its LSE; its prep
-(spec.prepare_backward: dÔ and D = rowsum(dO∘O)) is aten ops that Inductor fuses into dO's producer, and the
-products run in ``sage::attention_backward``."""
+(``sage::backward_prep``: dÔ and D = rowsum(dO∘O)) and its products (``sage::attention_backward``) are ops."""
 from __future__ import annotations
 
 import torch
@@ -28,10 +27,8 @@ def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
 
 
 def backward(saved, kv_lens, call, grad_out):
-    from ... import spec
-
     q8, q_scale, k8, k_scale, v, kernel_mask, out, lse = saved
-    do8, do_scale, delta = spec.prepare_backward(grad_out, out)
+    do8, do_scale, delta = torch.ops.sage.backward_prep(grad_out.contiguous(), out)
     dq, dk, dv = torch.ops.sage.attention_backward(grad_out, do8, do_scale, delta, q8, q_scale, k8, k_scale, v, lse,
                                                    kv_lens, kernel_mask, call.causal, call.scale)
     return dq.to(out.dtype), dk.to(v.dtype), dv.to(v.dtype)
