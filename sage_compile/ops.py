@@ -85,10 +85,7 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
         report_fallback(reason or choice, config, choice=reason is None)
         return sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = spec.prepare(q, k, v, scale, config.scheme, kv_lens, want_lse=True, v_prep=prep.prepare_v)
-    out, lse = torch.ops.sage.quantized_attention(
-        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        spec.kernel_mask(spec.mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, config.scheme.encode())
+    p, _, out, lse = quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, want_lse=True)
     return out, lse + p.lse_shift  # the kernel's LSE is over the smoothed scores: + scale·q·μK gives SDPA's
 
 
@@ -177,14 +174,14 @@ def _backward_family(config: SageConfig) -> str:
     return "sdpa"
 
 
-def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme, prepare=None):
-    """The 8-bit attention itself: the prep, then sage.quantized_attention. Returns (the prepared operands, the
-    kernel-form mask, out in q's layout, lse)."""
+def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme, prepare=None, want_lse=False):
+    """The 8-bit attention itself: the prep, then sage.quantized_attention. Returns (the prepared operands — with
+    ``lse_shift`` where ``want_lse`` —, the kernel-form mask, out in q's layout, lse)."""
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
     else:
-        p = spec.prepare(q, k, v, scale, scheme, kv_lens, v_prep=prep.prepare_v)
+        p = spec.prepare(q, k, v, scale, scheme, kv_lens, want_lse=want_lse, v_prep=prep.prepare_v)
     kernel_mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
     out, lse = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, kernel_mask, causal,
