@@ -71,7 +71,7 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
     """sage.attention that also returns the log-sum-exp of each row's scaled, masked scores (natural log, SDPA's
     scores: [B,Hq,Nq] fp32, −inf for a row that sees no key) — what merging partial attentions needs. Inference only."""
     config = SageConfig.from_op_key(config)
-    check_attention_inputs(q, k, v)
+    _check_call(q, k, v, causal)
     if _needs_grad(q, k, v):
         raise RuntimeError("sage_attention(return_lse=True) has no backward yet: call it under torch.no_grad() or "
                            "torch.inference_mode()")
@@ -79,11 +79,10 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
         raise ValueError(f"sage_attention(return_lse=True): dropout_p={dropout_p}; the LSE of a dropped-out "
                          "attention is not defined: pass dropout_p=0")
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
-    reason = unsupported_reason(call, config, False)
-    choice = None if reason is not None else sdpa_is_faster(call, config)
-    if reason is not None or choice is not None:
-        report_fallback(reason or choice, config, choice=reason is None)
+    if _stays_sdpa(call, config, False):
         return sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
+    if statically_known_true(k.shape[-2] == 0):  # no keys: out 0, lse −inf
+        return _no_keys(q), q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p, _, out, lse = quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, want_lse=True)
     return out, lse + p.lse_shift  # the kernel's LSE is over the smoothed scores: + scale·q·μK gives SDPA's
@@ -118,22 +117,15 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     """The prep (``prepare(scale)`` when given, else spec.prepare in aten) + sage.quantized_attention where
     supported and faster — through ``autograd.AttentionFunction`` where an input requires grad; else F.sdpa,
     reported, or raised with fallback='error'."""
-    check_attention_inputs(q, k, v)
-    if causal not in spec.CAUSAL_NAMES:
-        raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
+    _check_call(q, k, v, causal)
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
-    reason = unsupported_reason(call, config, torch.is_grad_enabled())
     if config.context_parallel:
+        reason = unsupported_reason(call, config, torch.is_grad_enabled())
         return _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason)
-    if reason is not None:
-        report_fallback(reason, config)
-        return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
-    choice = sdpa_is_faster(call, config)
-    if choice is not None:
-        report_fallback(choice, config, choice=True)
+    if _stays_sdpa(call, config, torch.is_grad_enabled()):
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
-        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+        return _no_keys(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if _needs_grad(q, k, v):
         torch._dynamo.utils.counters["sage"]["with_backward"] += 1
@@ -142,6 +134,27 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
         return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, scheme,
                                                 family)
     return quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, config.scheme, prepare)[2]
+
+
+def _check_call(q, k, v, causal) -> None:
+    check_attention_inputs(q, k, v)
+    if causal not in spec.CAUSAL_NAMES:
+        raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
+
+
+def _stays_sdpa(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> bool:
+    """Whether the call runs SDPA — sage cannot run it, or SDPA measured faster — reported (or raised) here."""
+    reason = unsupported_reason(call, config, grad_enabled)
+    choice = None if reason is not None else sdpa_is_faster(call, config)
+    if reason is None and choice is None:
+        return False
+    report_fallback(reason or choice, config, choice=reason is None)
+    return True
+
+
+def _no_keys(q):
+    """Attention over no keys: 0 (SDPA's answer), laid out as sage's outputs are."""
+    return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
 
 
 def _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason):

@@ -161,9 +161,8 @@ def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     A non-finite amax (a poisoned token or group, see the module docstring) gives δ = NaN. The rule leaves such a
     token's x̂ unspecified (its NaN δ poisons every score it enters; the Triton prep stores what its rint trick makes
     of NaN·0); this reference selects 0 before the int8 cast, so no NaN or Inf is ever cast here."""
-    ok = torch.isfinite(amax)
     delta = symmetric_delta(amax, levels)
-    xq = torch.where(ok.unsqueeze(-1), torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels), 0.0)
+    xq = torch.where(delta.isfinite().unsqueeze(-1), torch.round(x * (1.0 / delta).unsqueeze(-1)).clamp(-levels, levels), 0.0)
     return xq.to(torch.int8), delta
 
 
@@ -432,14 +431,9 @@ def quantized_attention_reference(
         if delta_s is not None:
             rows_group = torch.arange(n_q, device=dev) // scheme.q_block
             s = s + delta_s[:, :, rows_group, cols]
-        if attn_mask is not None:
-            tile = attn_mask[..., cols]
-            # added, as SDPA adds it (a bool False is −inf): a hidden key's weight is 0, its NaN score stays NaN
-            s = s + (torch.where(tile, 0.0, -math.inf) if tile.dtype == torch.bool else tile)
-        if allowed is not None:
-            s = s.masked_fill(~allowed[:, cols], -math.inf)
-        if key_valid is not None:
-            s = s.masked_fill(~key_valid[:, None, None, cols], -math.inf)
+        s = masked_scores(s, None if attn_mask is None else attn_mask[..., cols],
+                          None if allowed is None else allowed[:, cols],
+                          None if key_valid is None else key_valid[:, cols])
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
         p = exp2_fp32(s - m_safe.unsqueeze(-1))  # P̃ ∈ [0, 1]
@@ -460,6 +454,19 @@ def quantized_attention_reference(
         out = out + torch.where(has_keys.unsqueeze(-1), vm.unsqueeze(-2), torch.zeros_like(out))
     lse = torch.where(has_keys, (m + torch.log2(l)) / LOG2E, torch.full_like(l, -math.inf))
     return saturate(out[..., :head_dim], out_dtype), lse
+
+
+def masked_scores(s, attn_mask, allowed, key_valid):
+    """S [B,H,rows,keys] masked: the attn_mask added, as SDPA adds it (a bool False is −inf: a masked key's weight
+    is 0, its NaN score stays NaN), then the keys causal (``allowed`` [rows, keys]) or kv_lens (``key_valid``
+    [B, keys]) hide replaced by −inf."""
+    if attn_mask is not None:
+        s = s + (torch.where(attn_mask, 0.0, -math.inf) if attn_mask.dtype == torch.bool else attn_mask)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    if key_valid is not None:
+        s = s.masked_fill(~key_valid[:, None, None, :], -math.inf)
+    return s
 
 
 def saturate(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -530,13 +537,8 @@ def attention_backward_reference(
     ki = k.to(torch.int32).repeat_interleave(group, dim=1)
     ks = k_scale.repeat_interleave(group, dim=1)
     s = (qi @ ki.transpose(-1, -2)).float() * q_scale.unsqueeze(-1) * ks.unsqueeze(-2)
-    if attn_mask is not None:
-        s = s + (torch.where(attn_mask, 0.0, -math.inf) if attn_mask.dtype == torch.bool else attn_mask)
-    allowed = causal_allowed(n_q, n_k, causal, q.device)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    if kv_lens is not None:
-        s = s.masked_fill(~valid_key_mask(kv_lens, n_k)[:, None, None, :], -math.inf)
+    s = masked_scores(s, attn_mask, causal_allowed(n_q, n_k, causal, q.device),
+                      None if kv_lens is None else valid_key_mask(kv_lens, n_k))
     l2 = (lse * LOG2E).unsqueeze(-1)
     p = torch.where(l2 == -math.inf, 0.0, exp2_fp32(s - l2))
     dp_ = backward_dp(grad_out, v.repeat_interleave(group, dim=1))

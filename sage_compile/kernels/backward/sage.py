@@ -28,7 +28,7 @@ def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
 
 def backward(saved, kv_lens, call, grad_out):
     q8, q_scale, k8, k_scale, v, kernel_mask, out, lse = saved
-    do8, do_scale, delta = torch.ops.sage.backward_prep(grad_out.contiguous(), out)
+    do8, do_scale, delta = torch.ops.sage.backward_prep(grad_out, out)
     dq, dk, dv = torch.ops.sage.attention_backward(grad_out, do8, do_scale, delta, q8, q_scale, k8, k_scale, v, lse,
                                                    kv_lens, kernel_mask, call.causal, call.scale)
     return dq.to(out.dtype), dk.to(v.dtype), dv.to(v.dtype)
