@@ -79,7 +79,7 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
         raise ValueError(f"sage_attention(return_lse=True): dropout_p={dropout_p}; the LSE of a dropped-out "
                          "attention is not defined: pass dropout_p=0")
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
-    if _stays_sdpa(call, config, False):
+    if _stays_sdpa(call, config, False, standalone=True):
         return sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # no keys: out 0, lse −inf
         return _no_keys(q), q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
@@ -122,7 +122,7 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if config.context_parallel:
         reason = unsupported_reason(call, config, torch.is_grad_enabled())
         return _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason)
-    if _stays_sdpa(call, config, torch.is_grad_enabled()):
+    if _stays_sdpa(call, config, torch.is_grad_enabled(), standalone=prepare is None):
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return _no_keys(q)
@@ -142,10 +142,11 @@ def _check_call(q, k, v, causal) -> None:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
 
 
-def _stays_sdpa(call: AttentionCall, config: SageConfig, grad_enabled: bool) -> bool:
-    """Whether the call runs SDPA — sage cannot run it, or SDPA measured faster — reported (or raised) here."""
+def _stays_sdpa(call: AttentionCall, config: SageConfig, grad_enabled: bool, standalone: bool) -> bool:
+    """Whether the call runs SDPA — sage cannot run it, or SDPA measured faster (``standalone``: with the prep a pass
+    of its own, no producer fused into it) — reported (or raised) here."""
     reason = unsupported_reason(call, config, grad_enabled)
-    choice = None if reason is not None else sdpa_is_faster(call, config)
+    choice = None if reason is not None else sdpa_is_faster(call, config, standalone)
     if reason is None and choice is None:
         return False
     report_fallback(reason or choice, config, choice=reason is None)
@@ -193,6 +194,9 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
+    elif _runs_eagerly(q) and q.is_cuda and prep.fast_path_reason(q, k, scheme, kv_lens) is None:
+        p = prep.plain_prepare(q, k, v, scale, scheme, want_lse)
+        torch._dynamo.utils.counters["sage"]["eager_fused_prep"] += 1
     else:
         p = spec.prepare(q, k, v, scale, scheme, kv_lens, want_lse=want_lse, v_prep=prep.prepare_v)
     kernel_mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
@@ -201,6 +205,13 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
         q.shape[-1], q.dtype, scheme.encode(),
     )
     return p, kernel_mask, out, lse
+
+
+def _runs_eagerly(t: torch.Tensor) -> bool:
+    """A plain tensor outside any compile or trace: the prep then runs as the fused Triton kernels (no producer to
+    fuse into). Under torch.compile the prep stays aten ops, which Inductor fuses into whatever made q, k and v."""
+    return (not torch.compiler.is_compiling() and type(t) in (torch.Tensor, torch.nn.Parameter)
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None)
 
 
 def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):
@@ -227,8 +238,12 @@ def _folded_mask(q, k, attn_mask, causal, kv_lens):
 
 
 def sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens=None):
-    """SDPA's output and the log-sum-exp of its scores (computed from the full score matrix: the fallback of
-    ``sage.attention_with_lse``)."""
+    """SDPA's output and the log-sum-exp of its scores (the fallback of ``sage.attention_with_lse``, so of every
+    partial that ring attention keeps on SDPA). FlashAttention's kernel returns both without forming the N×N scores
+    where it takes the call (``_flash_takes``); anything else — a mask, kv_lens, bottom-right causal, the CPU —
+    computes the log-sum-exp from the full fp32 score matrix, exact but O(Nq·Nk) memory."""
+    if _flash_takes(q, k, v, attn_mask, causal, enable_gqa, kv_lens):
+        return _flash_with_lse(q, k, v, scale, causal == spec.CAUSAL_TOP_LEFT)
     out = sdpa_fallback(q, k, v, attn_mask, 0.0, scale, causal, enable_gqa, kv_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -237,6 +252,36 @@ def sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens=None):
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     return out, torch.logsumexp(scores, dim=-1)
+
+
+def _flash_takes(q, k, v, attn_mask, causal, enable_gqa, kv_lens) -> bool:
+    """Whether ``aten._scaled_dot_product_flash_attention`` can compute this call: on CUDA, no mask or kv_lens, causal
+    none or top-left, nothing empty, and what SDPA's own flash gate asks (fp16/bf16, head dims equal and ≤ 256, a GPU
+    its flash kernel was built for, sm80 on, Hq a multiple of Hkv with enable_gqa, causal only where Nq == Nk: the
+    kernel aligns causal bottom-right, which is top-left only for square scores)."""
+    if q.device.type != "cuda" or attn_mask is not None or kv_lens is not None:
+        return False
+    if causal not in (spec.CAUSAL_NONE, spec.CAUSAL_TOP_LEFT) or q.numel() == 0 or k.numel() == 0:
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal == spec.CAUSAL_TOP_LEFT, enable_gqa)
+    return torch.backends.cuda.can_use_flash_attention(params)
+
+
+def _flash_with_lse(q, k, v, scale, is_causal):
+    """(out, lse) from the flash kernel, called as F.sdpa calls it: the head dim zero-padded to a multiple of 8 (the
+    kernel's requirement) with the scale of the true one. GQA's K/V are repeated over each group of query heads. The
+    kernel's logsumexp is [B, H, Nq] fp32 (not padded), the natural log of the scaled scores (row max·scale +
+    log of the row sum, flash_attn/softmax.h); a row whose sum is 0 or NaN — only a NaN or Inf in q or k can do
+    that here, every row sees a key — reads +inf there and NaN here, as the rule for poisoned rows has it."""
+    head_dim = q.shape[-1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    pad = (-head_dim) % 8
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+    return out[..., :head_dim], lse.masked_fill(lse == float("inf"), float("nan"))
 
 
 def report_fallback(reason: str, config: SageConfig, choice: bool = False) -> None:

@@ -16,6 +16,9 @@ kernels on CUDA:
 * ``sage::v_quantize(v)`` — V's half (``prepare_v``): per-channel amax over tokens, then e4m3 V̂ᵀ.
 On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
 
+Without a producer the same kernels are the eager prep: ``plain_prepare`` (no tables: no rotary) is what
+``sage_attention`` runs on CUDA when called outside torch.compile, in place of spec.prepare's chain of aten ops.
+
 Rotary here means, with h = D/2, x₁ = x[..., :h], x₂ = x[..., h:] (half-split) or x₁ = x[..., 0::2],
 x₂ = x[..., 1::2] (interleaved: GPT-J's rotate_every_two, diffusers' unbind(-1) form) and four tables c₁, s₁, c₂, s₂
 broadcastable to x₁ (for the usual half tables c₁ = c₂ = cos, s₁ = s₂ = sin; for HF's full-width
@@ -40,6 +43,7 @@ implementation; the Triton kernels agree with it exactly (each product rounded o
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import List, Optional, Sequence, Tuple
 
@@ -62,10 +66,12 @@ def rope_halves(x: torch.Tensor, tables: Sequence[torch.Tensor], interleaved: bo
                 norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
     """fp32 (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for x [..., D]; tables = (c₁, s₁, c₂, s₂), each broadcastable to
     x[..., :D/2]; x₁, x₂ the halves of x, or its even and odd channels (``interleaved``); x RMS-normalized first
-    when ``norm_eps`` is not None (weight optional)."""
+    when ``norm_eps`` is not None (weight optional). No tables: no rotary, (x₁, x₂) themselves."""
     xf = x.float() if norm_eps is None else rms_norm_reference(x, norm_weight, norm_eps)
     h = x.shape[-1] // 2
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :h], xf[..., h:])
+    if not tables:  # no rotary (plain_prepare)
+        return x1, x2
     c1, s1, c2, s2 = (t.float() for t in tables)
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
@@ -89,16 +95,46 @@ def rope_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Scheme
     """``spec.prepare(rope(xq), rope(xk), v)`` through the fused ops (xq/xk/v in attention layout
     [B,H,N,D]); only for what ``fast_path_reason`` accepts. ``interleaved``, ``q_norm`` / ``k_norm`` ((weight or
     None, eps) or None): the producers (``rope_halves``)."""
-    q_producer = dict(interleaved=interleaved, **_norm_kwargs(q_norm))
-    k_producer = dict(interleaved=interleaved, **_norm_kwargs(k_norm))
+    return _fused_prepare(xq, xk, v, q_tables, k_tables, scale, quant, interleaved, q_norm, k_norm)[0]
+
+
+def _fused_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Scheme, interleaved: bool = False,
+                   q_norm=None, k_norm=None, direct: bool = False):
+    """(rope_prepare's Prepared, μK or None without smooth_k); ``direct``: the CUDA steps called as functions, not
+    through their ops (eager only)."""
+    q_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(q_norm))
+    k_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(k_norm))
     # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
     # does the same); Q first, so nothing runs between the two
     q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
     k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
     k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
-    v_t, v_scale, v_mean = prepare_v(v, quant)
-    return spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
-                         delta_s=None, scheme=quant)
+    v_t, v_scale, v_mean = prepare_v(v, quant, direct=direct)
+    prepared = spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
+                             delta_s=None, scheme=quant)
+    return prepared, k_mean
+
+
+def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = False) -> spec.Prepared:
+    """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what an eager
+    call runs on CUDA instead of spec.prepare's chain of aten ops (each a pass over q or k); only for what
+    ``fast_path_reason`` accepts. Bit-equal to spec.prepare up to the summation order of μK."""
+    with _plain_launches():
+        p, k_mean = _fused_prepare(q, k, v, (), (), scale, quant, direct=True)
+    if want_lse:
+        p.lse_shift = spec.lse_shift(q, k_mean, scale) if k_mean is not None else q.new_zeros(q.shape[:-1],
+                                                                                                dtype=torch.float32)
+    return p
+
+
+def _plain_launches():
+    """A context in which wrap_triton launches a kernel as plain Triton does, as a triton_op's own eager implementation
+    runs (outside one, wrap_triton goes through its tracing higher-order op: ~1 ms of host time per eager prep)."""
+    try:
+        from torch._library.triton import set_wrap_triton_enabled
+    except ImportError:  # a torch without the switch: the launches still work, through the op
+        return contextlib.nullcontext()
+    return set_wrap_triton_enabled(False)
 
 
 def _norm_kwargs(norm) -> dict:
@@ -106,12 +142,12 @@ def _norm_kwargs(norm) -> dict:
     return dict(norm_weight=None, norm_eps=None) if norm is None else dict(norm_weight=norm[0], norm_eps=float(norm[1]))
 
 
-def prepare_v(v: torch.Tensor, quant: spec.Scheme, kv_lens: Optional[torch.Tensor] = None):
+def prepare_v(v: torch.Tensor, quant: spec.Scheme, kv_lens: Optional[torch.Tensor] = None, direct: bool = False):
     """``spec.prepare_v``; on CUDA, for FP8 PV without smooth_v or kv_lens at a Triton head dim, as two
     Triton kernels (``sage::v_quantize``: δV's amax, then quantize + transpose; bit-equal to the spec)."""
     if (v.is_cuda and HAS_TRITON and quant.pv == "fp8" and not quant.smooth_v and kv_lens is None
             and v.dim() == 4 and v.shape[-1] in HEAD_DIMS):
-        v_t, v_scale = torch.ops.sage.v_quantize(v)
+        v_t, v_scale = (_v_quantize_cuda if direct else torch.ops.sage.v_quantize)(v)
         return v_t, v_scale, None
     return spec.prepare_v(v, quant, kv_lens)
 
@@ -157,23 +193,30 @@ def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mea
 
 
 def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 0, interleaved: bool = False,
-                 norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                 direct: bool = False) -> torch.Tensor:
+    """The mean step on x's device: sage::rope_mean on CUDA (its implementation itself where ``direct``: eager
+    callers), the reference elsewhere."""
     if x.is_cuda:
-        return torch.ops.sage.rope_mean(x, list(tables), sample, interleaved, norm_weight, norm_eps)
+        mean = _rope_mean_cuda if direct else torch.ops.sage.rope_mean
+        return mean(x, list(tables), sample, interleaved, norm_weight, norm_eps)
     return rope_mean_reference(x, tables, sample, interleaved, norm_weight, norm_eps)
 
 
 def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False, interleaved: bool = False,
-                     norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
+                     norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                     direct: bool = False):
+    """The quantize step on x's device: sage::rope_quantize on CUDA (its implementation itself where ``direct``),
+    the reference elsewhere."""
     if x.is_cuda:
-        return torch.ops.sage.rope_quantize(x, list(tables), mean, out_scale, thread_groups, interleaved, norm_weight,
-                                            norm_eps)
+        quantize = _rope_quantize_cuda if direct else torch.ops.sage.rope_quantize
+        return quantize(x, list(tables), mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
     return rope_quantize_reference(x, tables, mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
 
 
 def _same_halves(tables) -> bool:
     """c₂ is c₁ and s₂ is s₁ (the half-table form): the kernels then read each table once."""
-    return tables[0] is tables[2] and tables[1] is tables[3]
+    return bool(tables) and tables[0] is tables[2] and tables[1] is tables[3]
 
 
 def _table_args(tables, half_shape) -> list:
@@ -185,49 +228,56 @@ def _table_args(tables, half_shape) -> list:
     return args
 
 
-# The Triton ops exist only where Triton does (CUDA builds of torch ship it; without it torch would log a
-# warning at registration, and there would be no CUDA device to use them on).
+# The CUDA implementations below are plain functions: registered as the Triton ops (what a traced graph calls, so
+# Inductor launches them from its generated code) and called as they are by the eager prep (``direct=True``): in eager
+# mode a triton_op's dispatch cost ~300 µs of host time per call on the H100 (torch 2.11), more than the four
+# kernels of a 1K-token prep take on the GPU. The ops exist only where Triton does (CUDA builds of torch ship it;
+# without it torch would log a warning at registration, and there would be no CUDA device to use them on).
+def _rope_mean_cuda(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0, interleaved: bool = False,
+                    norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
+    """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with
+    sample > 0, over the keys spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x),
+    then / min(N, sample)."""
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
+                                            _same_halves(tables), sample=sample, interleaved=interleaved,
+                                            norm_weight=norm_weight, norm_eps=norm_eps)
+    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+    return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
+
+
+def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
+                        out_scale: float, thread_groups: bool = False, interleaved: bool = False,
+                        norm_weight: Optional[torch.Tensor] = None,
+                        norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
+    from .kernels import prep_triton
+
+    batch, heads, n, d = x.shape
+    x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
+    deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
+    prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
+                                     mean, x8, deltas, out_scale, thread_groups=thread_groups,
+                                     interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps)
+    return x8, deltas
+
+
+def _v_quantize_cuda(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: (V̂ᵀ [B,H,D,N_pad16] e4m3, δV [B,H,D]) of ``spec.prepare_v`` (FP8, no smooth_v): per-split
+    channel amax, their max, then δV, quantize and transpose (Triton)."""
+    from .kernels import prep_triton
+
+    batch, heads, n, d = v.shape
+    delta = torch.empty((batch, heads, d), dtype=torch.float32, device=v.device)
+    v_t = torch.empty((batch, heads, d, (n + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=v.device)
+    prep_triton.launch_v_quantize(v, prep_triton.reduce_splits(prep_triton.absmax_partials(v)), delta, v_t)
+    return v_t, delta
+
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
-    @torch.library.triton_op("sage::rope_mean", mutates_args=())
-    def rope_mean(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0, interleaved: bool = False,
-                  norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
-        """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with
-        sample > 0, over the keys spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x),
-        then / min(N, sample)."""
-        from .kernels import prep_triton
-
-        batch, heads, n, d = x.shape
-        partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
-                                                _same_halves(tables), sample=sample, interleaved=interleaved,
-                                                norm_weight=norm_weight, norm_eps=norm_eps)
-        count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
-        return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
-
-    @torch.library.triton_op("sage::rope_quantize", mutates_args=())
-    def rope_quantize(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
-                      out_scale: float, thread_groups: bool = False, interleaved: bool = False,
-                      norm_weight: Optional[torch.Tensor] = None,
-                      norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
-        from .kernels import prep_triton
-
-        batch, heads, n, d = x.shape
-        x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
-        deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
-        prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
-                                         mean, x8, deltas, out_scale, thread_groups=thread_groups,
-                                         interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps)
-        return x8, deltas
-
-    @torch.library.triton_op("sage::v_quantize", mutates_args=())
-    def v_quantize(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """CUDA: (V̂ᵀ [B,H,D,N_pad16] e4m3, δV [B,H,D]) of ``spec.prepare_v`` (FP8, no smooth_v): per-split
-        channel amax, their max, then δV, quantize and transpose (Triton)."""
-        from .kernels import prep_triton
-
-        batch, heads, n, d = v.shape
-        delta = torch.empty((batch, heads, d), dtype=torch.float32, device=v.device)
-        v_t = torch.empty((batch, heads, d, (n + 15) // 16 * 16), dtype=torch.float8_e4m3fn, device=v.device)
-        prep_triton.launch_v_quantize(v, prep_triton.reduce_splits(prep_triton.absmax_partials(v)), delta, v_t)
-        return v_t, delta
+    torch.library.triton_op("sage::rope_mean", _rope_mean_cuda, mutates_args=())
+    torch.library.triton_op("sage::rope_quantize", _rope_quantize_cuda, mutates_args=())
+    torch.library.triton_op("sage::v_quantize", _v_quantize_cuda, mutates_args=())

@@ -299,9 +299,6 @@ def prepare(
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
     v_t, v_scale, v_mean = (v_prep or prepare_v)(v, quant, kv_lens)
-    lse_shift = None
-    if want_lse:
-        lse_shift = _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
     return Prepared(
         q=_pad_last(q8, pad),
         q_scale=q_delta * score_scale,
@@ -312,8 +309,14 @@ def prepare(
         v_mean=v_mean,
         delta_s=delta_s,
         scheme=quant,
-        lse_shift=lse_shift,
+        lse_shift=lse_shift(q, k_mean, scale) if want_lse else None,
     )
+
+
+def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale·q·μK per row, fp32 [B,Hq,Nq] (k_mean [B,Hkv,1,D]): what turns the kernel's LSE, over the scores of the
+    smoothed K, into SDPA's (``Prepared.lse_shift``)."""
+    return _grouped_matmul(q.float(), k_mean.transpose(-1, -2)).squeeze(-1) * scale
 
 
 def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = None):

@@ -124,10 +124,10 @@ def _check_mask(call, config, grad_enabled):
     return None
 
 
-def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
+def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = False) -> Optional[str]:
     """A speed choice, not a fallback: SDPA is faster below the key-length threshold (thresholds.py, or
-    ``config.min_seq_len``). A symbolic length is compared too: that guard recompiles at most once, when
-    a dynamic length crosses the threshold."""
+    ``config.min_seq_len``; ``standalone``: a site whose prep no producer absorbed, with its own table). A symbolic
+    length is compared too: that guard recompiles at most once, when a dynamic length crosses the threshold."""
     from . import thresholds
 
     threshold = config.min_seq_len
@@ -135,7 +135,7 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
         threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.scheme.k_granularity,
-                                           mask, config.scheme.pv)
+                                           mask, config.scheme.pv, standalone)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
@@ -146,6 +146,8 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig) -> Optional[str]:
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
     elif config.scheme.pv == "fp16":
         source = thresholds.MEASURED_PV16_ON
+    elif standalone:
+        source = f"measured on {thresholds.MEASURED_STANDALONE_ON}"
     else:
         source = f"measured on {thresholds.MEASURED_ON}"
     if threshold == thresholds.NEVER:

@@ -41,6 +41,27 @@ MEASURED_PER_THREAD_K = {
 }
 
 
+# Sites with no producer fused into their prep — an eager ``sage_attention`` call (the prep as the fused Triton kernels
+# with no rotary, prep.plain_prepare) or a compiled ``sage.attention`` site (the prep as Inductor's generic fusion): the
+# prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager``, B·N = 16K,
+# bf16, sage / cuDNN SDPA: D=128 non-causal eager 4K 0.92, 16K 1.13, 32K 1.14 (a lone compiled call 0.90, 1.09, 1.12);
+# causal 4K 0.85, 16K 1.11 → from 16K (8K not measured). per_thread K: non-causal 4K 1.03, 16K 1.27; causal 4K 0.92,
+# 16K 1.20. D=64: not measured with the eager prep → never.
+MEASURED_STANDALONE = {
+    (9, 128, False): 16384,
+    (9, 128, True): 16384,
+    (9, 64, False): NEVER,
+    (9, 64, True): NEVER,
+}
+MEASURED_STANDALONE_PER_THREAD_K = {
+    (9, 128, False): 4096,
+    (9, 128, True): 16384,
+    (9, 64, False): NEVER,
+    (9, 64, True): NEVER,
+}
+MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass of its own"
+
+
 # Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), H200,
 # ``bench e2e --mask``, rope → SDPA(attn_mask), 1K/4K/16K/32K, sage / inductor:
 #   a mask with one row for every query (key padding [B,1,1,Nk] bool): D=128 0.90, 1.18, 1.34, 1.37;
@@ -88,11 +109,11 @@ def mask_rows(mask) -> str:
 
 
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
-                mask=None, pv: str = "fp8") -> float:
+                mask=None, pv: str = "fp8", standalone: bool = False) -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
-    own, faster kernel; a site with an attn_mask: the masked measurements above); other archs borrow sm90's
-    entry until measured; unmeasured shapes: 0."""
+    own, faster kernel; a site with an attn_mask: the masked measurements above; ``standalone``, a site whose prep
+    no producer absorbed: MEASURED_STANDALONE); other archs borrow sm90's entry until measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
@@ -103,6 +124,9 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
         return _lookup(MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK, major, padded_head_dim)
     if pv == "fp16":
         return _lookup(MEASURED_PV16, major, padded_head_dim, causal)
+    if standalone:
+        return _lookup(MEASURED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_STANDALONE, major,
+                       padded_head_dim, causal)
     return _lookup(MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED, major, padded_head_dim, causal)
 
 

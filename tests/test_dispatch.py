@@ -88,6 +88,27 @@ def test_thresholds_follow_the_k_granularity(monkeypatch):
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, "per_thread") == 0
 
 
+def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
+    """A site whose prep is a pass of its own (eager sage_attention, a compiled sage.attention with no rotary absorbed)
+    reads MEASURED_STANDALONE: it never starts earlier than behind a fused producer, and sdpa_is_faster asks for it."""
+    from sage_compile import SageConfig, thresholds
+    from sage_compile.support import AttentionCall, sdpa_is_faster
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    for key, fused in thresholds.MEASURED.items():
+        _, d, causal = key
+        assert thresholds.min_seq_len(cuda, d, causal, standalone=True) == thresholds.MEASURED_STANDALONE[key] >= fused
+        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", standalone=True)
+                == thresholds.MEASURED_STANDALONE_PER_THREAD_K[key] >= thresholds.MEASURED_PER_THREAD_K[key])
+    seen = []
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args: seen.append(args[-1]) or 16384)
+    q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
+    call = AttentionCall(q, q, q, None, 0.0, False, None, False)
+    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), standalone=True)
+    assert "bench eager" in sdpa_is_faster(call, SageConfig(), standalone=True) and seen == [True, True]
+
+
 def test_thresholds_of_masked_sites(monkeypatch):
     """A site with an attn_mask has its own measured table: a mask with one row for all queries (key padding)
     from MEASURED_KEY_MASK; an fp32 mask with a row per query never (measured slower); a bool one per query

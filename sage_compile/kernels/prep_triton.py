@@ -176,29 +176,35 @@ def _deinterleaved(x_ptr, pair_offset, mask):
 @triton.jit
 def _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                  c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask,
-                 SAME_HALVES: tl.constexpr):
+                 SAME_HALVES: tl.constexpr, ROTARY: tl.constexpr = True):
     """The rotary's tables c₁, s₁, c₂, s₂ at the tile's rows, fp32 [rows, HALF] each; with SAME_HALVES (c₂ is c₁,
-    s₂ is s₁: the half-table form) each table is read once."""
-    r = rows[:, None]
-    c = cols[None, :]
-    c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
-    if SAME_HALVES:
-        c2 = c1
-        s2 = s1
+    s₂ is s₁: the half-table form) each table is read once. Without ROTARY nothing is read (the values go unused)."""
+    if ROTARY:
+        r = rows[:, None]
+        c = cols[None, :]
+        c1 = tl.load(c1_ptr + b * c1b + h * c1h + r * c1n + c * c1d, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(s1_ptr + b * s1b + h * s1h + r * s1n + c * s1d, mask=mask, other=0.0).to(tl.float32)
+        if SAME_HALVES:
+            c2 = c1
+            s2 = s1
+        else:
+            c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
+            s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
     else:
-        c2 = tl.load(c2_ptr + b * c2b + h * c2h + r * c2n + c * c2d, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(s2_ptr + b * s2b + h * s2h + r * s2n + c * s2d, mask=mask, other=0.0).to(tl.float32)
+        c1 = 0.0
+        s1 = 0.0
+        c2 = 0.0
+        s2 = 0.0
     return c1, s1, c2, s2
 
 
 @triton.jit
 def _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: tl.constexpr,
                b, h, rows, cols, mask, HALF: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
-               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+               INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr = True):
     """(r₁, r₂) = (x₁·c₁ − x₂·s₁, x₂·c₂ + x₁·s₂) for the tile's rows, fp32 [rows, HALF] each (_rope_products; the
     tables from _rope_tables). x₁, x₂: x's halves, or with INTERLEAVED its even and odd channels
-    (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized)."""
+    (prep.rope_halves); NORM: RMS-normalized first (_rms_normalized). Without ROTARY, (x₁, x₂) as they are."""
     r = rows[:, None]
     c = cols[None, :]
     if INTERLEAVED:  # x's strides count channel pairs (_x_args): pair c of the row, loaded as one word
@@ -209,7 +215,9 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: tl.constex
         x2 = tl.load(xb + HALF * sxd, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         x1, x2 = _rms_normalized(x1, x2, w_ptr, eps, cols, mask, 2 * HALF, INTERLEAVED, HAS_WEIGHT)
-    return _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS)
+    if ROTARY:
+        x1, x2 = _rope_products(x1, x2, c1, s1, c2, s2, EXACT_PRODUCTS)
+    return x1, x2
 
 
 @triton.jit
@@ -219,7 +227,7 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      out_ptr, H, N, TILES_PER_SPLIT, COUNT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
                      EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
@@ -241,9 +249,9 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
         else:
             mask = (rows < N)[:, None]
         c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
-                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES)
+                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES, ROTARY)
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
-                            EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+                            EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
         acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
         acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
@@ -259,7 +267,8 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
                           EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
-                          HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1, HEADS: tl.constexpr = 1):
+                          HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1, HEADS: tl.constexpr = 1,
+                          ROTARY: tl.constexpr = True):
     """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
     (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
     groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4.
@@ -279,11 +288,11 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
             rows = tile * BLOCK + tl.arange(0, BLOCK)
         mask = (rows < N)[:, None]
         c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
-                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h0, rows, cols, mask, SAME_HALVES)
+                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h0, rows, cols, mask, SAME_HALVES, ROTARY)
         for j in range(HEADS):
             _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, mean_ptr, out_ptr, scale_ptr,
                                 N, bh0 + j, b, h0 + j, rows, cols, HALF, BLOCK, HAS_MEAN, THREAD_GROUPS, OUT_SCALE,
-                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
 
 
 @triton.jit
@@ -291,12 +300,12 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: t
                         mean_ptr, out_ptr, scale_ptr, N, bh, b, h, rows, cols,
                         HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                         THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
-                        INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                        INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr):
     """One tile of one head of _rope_quantize_kernel (rows past N store nothing)."""
     row_ok = rows < N
     mask = row_ok[:, None]
     r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
-                        EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT)
+                        EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
@@ -426,6 +435,11 @@ def _producer_args(x: torch.Tensor, table_args: list, interleaved: bool, norm_we
     return args, flags
 
 
+def _tables_or_none(x: torch.Tensor, table_args: list) -> tuple:
+    """(kernel table arguments, ROTARY): the tables' (no rotary where none are given: x stands in for each, unread)."""
+    return (table_args, True) if table_args else ([x, 0, 0, 0, 0] * 4, False)
+
+
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, sample: int = 0, interleaved: bool = False,
                       norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens — or, with sample S > 0, over its share of the
@@ -436,9 +450,11 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
     splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
+    table_args, rotary = _tables_or_none(x, table_args)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
         *_x_args(x, interleaved), *table_args, *producer, partial, heads, n, tiling.tiles, sample, HALF=d // 2,
-        BLOCK=tiling.block, SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, num_warps=tiling.warps)
+        BLOCK=tiling.block, SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary,
+        num_warps=tiling.warps)
     return partial
 
 
@@ -471,12 +487,13 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
         tiles = triton.cdiv(n, tiling.block)
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
+    table_args, rotary = _tables_or_none(x, table_args)
     grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiling.tiles))
     wrap_triton(_rope_quantize_kernel)[grid](
         *_x_args(x, interleaved), *table_args, *producer, mean_arg, x8, deltas, heads, n,
         HALF=d // 2, BLOCK=tiling.block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
         THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiling.tiles,
-        HEADS=heads_per_program, num_warps=tiling.warps)
+        HEADS=heads_per_program, ROTARY=rotary, num_warps=tiling.warps)
 
 
 def absmax_partials(x: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,11 @@ def _layout_x(batch, heads, n, d, g, layout):
 
 
 def _tables(batch, heads, n, d, g, kind):
-    """Four tables broadcastable to x₁ [B,H,N,D/2], as views with broadcast (0) strides."""
+    """Four tables broadcastable to x₁ [B,H,N,D/2], as views with broadcast (0) strides; none for "none" (no
+    rotary: the eager prep, prep.plain_prepare)."""
     h = d // 2
+    if kind == "none":
+        return []
     if kind == "half":  # [N, 1, D/2] tables of a [B,N,H,D] rotary, seen in attention layout
         cos, sin = (torch.rand(n, 1, h, generator=g, device=DEV) * 2 - 1 for _ in range(2))
         views = [t.expand(batch, n, heads, h).transpose(1, 2) for t in (cos, sin)]
@@ -39,11 +42,13 @@ def _cpu(tables):
 
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.sampled_from([1, 2, 3, 4, 8]), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
-       d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]), kind=st.sampled_from(["half", "full"]),
-       with_mean=st.booleans(), thread_groups=st.booleans(), seed=st.integers(0, 2**16))
+       d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]),
+       kind=st.sampled_from(["half", "full", "none"]), with_mean=st.booleans(), thread_groups=st.booleans(),
+       seed=st.integers(0, 2**16))
 @example(batch=1, heads=1, n=1, d=64, layout="bhnd", kind="half", with_mean=True, thread_groups=True, seed=0)
 @example(batch=2, heads=8, n=65, d=128, layout="bnhd", kind="half", with_mean=True, thread_groups=False, seed=3)
 @example(batch=1, heads=4, n=200, d=64, layout="bnhd", kind="half", with_mean=True, thread_groups=True, seed=4)
+@example(batch=2, heads=3, n=1000, d=128, layout="bnhd", kind="none", with_mean=True, thread_groups=True, seed=5)
 def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, thread_groups, seed):
     """Bit-equal to the reference. Half tables are fp32 and shared by every head: with 4 or 8 heads a program
     quantizes 4 heads, reading each tile's tables once (QUANTIZE_HEADS_FP32_TABLES)."""
@@ -176,8 +181,9 @@ def test_rope_quantize_rounds_ties_and_near_ties_like_the_reference(thread_group
 
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), n=st.sampled_from([1, 65, 1000, 5000]),
-       d=st.sampled_from([64, 128]), kind=st.sampled_from(["half", "full"]), sample=st.sampled_from([0, 64, 512]),
-       seed=st.integers(0, 2**16))
+       d=st.sampled_from([64, 128]), kind=st.sampled_from(["half", "full", "none"]),
+       sample=st.sampled_from([0, 64, 512]), seed=st.integers(0, 2**16))
+@example(batch=1, heads=2, n=5000, d=128, kind="none", sample=512, seed=0)
 def test_rope_mean_matches_reference(batch, heads, n, d, kind, sample, seed):
     """Same sum in another order: fp32 rounding apart (relative to the sum of magnitudes); with a sample
     (spec.mean_sample_positions: the kernel computes the same keys), over the sampled keys only."""
@@ -329,3 +335,49 @@ def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k
     cos_generic = F.cosine_similarity(generic.double().flatten(), ref.double().flatten(), dim=0).item()
     print(f"causal={causal} K {k_granularity}: cos vs fp32 fused {cos_fused:.6f}, generic {cos_generic:.6f}")
     assert cos_fused > 0.999 and cos_fused > cos_generic - 1e-4
+
+
+@pytest.mark.parametrize("causal,k_granularity,gqa", [(False, "per_token", False), (True, "per_token", True),
+                                                      (False, "per_thread", True)])
+def test_eager_sage_attention_runs_the_fused_prep(causal, k_granularity, gqa):
+    """An eager call on CUDA quantizes with the fused Triton kernels (no producer: prep.plain_prepare), not spec.prepare's
+    aten chain — counted, and equal to spec.prepare + the same kernel: Q bit for bit, K up to μK's summation order (an
+    int8 step at most, rarely), so the outputs agree far inside the quantization error. The LSE too (return_lse). Under
+    torch.compile the prep stays aten ops for Inductor to fuse into the producers: no eager_fused_prep there."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    hkv = 2 if gqa else 8
+    q = torch.randn(2, 1500, 8, 128, generator=g, device=DEV).bfloat16().transpose(1, 2)
+    k = (torch.randn(2, 1500, hkv, 128, generator=g, device=DEV) + 2).bfloat16().transpose(1, 2)
+    v = torch.randn(2, 1500, hkv, 128, generator=g, device=DEV).bfloat16().transpose(1, 2)
+    config = SageConfig(min_seq_len=0, k_granularity=k_granularity, fallback="error")
+    scheme, scale = config.scheme, 128 ** -0.5
+    causal_code = spec.CAUSAL_TOP_LEFT if causal else spec.CAUSAL_NONE
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        out, lse = sage_compile.sage_attention(q, k, v, is_causal=causal, enable_gqa=gqa, config=config,
+                                               return_lse=True)
+        assert counters["sage"]["eager_fused_prep"] == 1
+        fused = prep.plain_prepare(q, k, v, scale, scheme)
+        # the spec on the CPU: on CUDA, torch divides by a scalar as a product with its reciprocal (amax/127)
+        ref = spec.prepare(q.cpu(), k.cpu(), v.cpu(), scale, scheme)
+        assert torch.equal(fused.q.cpu(), ref.q) and torch.equal(fused.q_scale.cpu(), ref.q_scale)
+        assert (fused.k.cpu().int() - ref.k.int()).abs().max() <= 1
+        torch.testing.assert_close(fused.k_scale.cpu(), ref.k_scale, rtol=1e-5, atol=0)
+        assert torch.equal(fused.v.cpu().view(torch.uint8), ref.v.view(torch.uint8))
+        assert torch.equal(fused.v_scale.cpu(), ref.v_scale)
+        ref = spec.Prepared(**{f: (getattr(ref, f).to(DEV) if isinstance(getattr(ref, f), torch.Tensor) else
+                                   getattr(ref, f)) for f in ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean",
+                                                              "delta_s", "scheme")})
+        ref_out, ref_lse = torch.ops.sage.quantized_attention(
+            ref.q, ref.q_scale, ref.k, ref.k_scale, ref.v, ref.v_scale, ref.v_mean, ref.delta_s, None, None,
+            causal_code, 128, torch.bfloat16, scheme.encode())
+        ref_lse = ref_lse + spec.lse_shift(q, spec.token_mean(k, None, scheme.k_mean_sample), scale)
+        assert F.cosine_similarity(out.float().flatten(), ref_out.float().flatten(), dim=0) > 0.99999
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3)
+        counters.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b, c: sage_compile.sage_attention(a, b, c, is_causal=causal, enable_gqa=gqa,
+                                                                             config=config), backend="inductor")
+        compiled(q, k, v)
+        assert counters["sage"]["eager_fused_prep"] == 0
