@@ -7,10 +7,14 @@ reference of the numerics spec); ``report`` renders the results page from the re
 # name on the command line → (module in this package, one line of help)
 BENCHMARKS = {
     "kernel": ("kernel_bench", "kernel-only TOPS of the quantized-attention kernels vs SDPA (cuDNN, flash); GPU"),
+    "eager": ("eager_bench", "sage_attention called without torch.compile, prep included, vs cuDNN and the public "
+                             "library; GPU"),
     "e2e": ("e2e_bench", "compiled rope → attention, backend='inductor' vs 'sage', prep vs its memory floor; GPU"),
     "models": ("models", "whole models (DiT, Llama prefill, ViT-L) at real shapes, inductor vs sage; GPU"),
     "backward": ("backward_bench", "8-bit backward: gradient accuracy vs fp32, fwd+bwd TOPS vs SDPA (cuDNN, flash); GPU"),
     "train": ("train_bench", "training: loss curves on real text (sage vs bf16 SDPA), a Llama-shaped step; GPU"),
+    "context_parallel": ("context_parallel_bench", "ring and Ulysses attention over this host's GPUs at 128K tokens vs "
+                                                   "one GPU; GPUs (NCCL)"),
     "accuracy": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
     "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
 }

@@ -189,6 +189,47 @@ def backward_section(runs) -> list:
     return lines
 
 
+def eager_section(runs) -> list:
+    lines = ["## Without torch.compile: `sage_attention` eager", "",
+             "`python -m sage_compile bench eager`: one call, prep included, TOPS = 4·B·H·N²·D / t (halved for causal), "
+             "B·N = 16K, bf16 [B, H, N, D]. sage / sage_pt: forced to sage (min_seq_len=0), per-token / per-thread K; "
+             "default: the default config (chose: what it ran); compiled: torch.compile of a lone `sage_attention` "
+             "call; public: the public SageAttention library's `sageattn` (its own quantization kernels), same run.", ""]
+    columns = ("cudnn", "sage", "sage_pt", "default", "compiled", "public")
+    for _, data in runs:
+        lines += [f"### {measured(data)}", "", "| D | causal | N | " + " | ".join(columns) + " | chose |",
+                  "|---|---|---|" + "---|" * (len(columns) + 1)]
+        for r in data["rows"]:
+            cells = " | ".join(_f(r.get(f"{c}_tops")) for c in columns)
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {cells} | {r['chose']} |")
+        lines.append("")
+    return lines
+
+
+def context_parallel_section(runs) -> list:
+    lines = ["## Context parallelism: one sequence over several GPUs", "",
+             "`python -m sage_compile bench context_parallel`: thousands of tokens per second of one attention over "
+             "the whole sequence (B=1, bf16), the slowest rank's time; scaling against one GPU running the whole "
+             "sequence alone. ring, SDPA: the same ring with every partial on SDPA's flash kernel (it returns the "
+             "LSE the merge needs); comm: the ring's K/V transfers (or Ulysses' all-to-alls) alone.", ""]
+    cases = (("one GPU, sage", "one_gpu_sage"), ("one GPU, SDPA (cuDNN)", "one_gpu_sdpa"), ("ring, sage", "ring"),
+             ("ring, SDPA partials", "ring_sdpa"), ("Ulysses, sage", "ulysses"))
+    for _, data in runs:
+        info = data["info"]
+        lines += [f"### {measured(data)}, {info['ranks']} GPUs, N={info['n']}, H={info['heads']}, D={info['d']}", "",
+                  "| causal | case | ms | ktok/s | scaling | comm ms | cosine vs one GPU |", "|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            for label, key in cases:
+                if f"{key}_ms" not in r:
+                    continue
+                cos = r.get("ring_cos" if key == "ring" else "ring_sdpa_cos" if key == "ring_sdpa" else "")
+                lines.append(f"| {r['causal']} | {label} | {r[key + '_ms']:.1f} | "
+                             f"{r[key + '_tokens_per_s'] / 1e3:.0f} | {_f(r.get(key + '_scaling'), '.2f')} | "
+                             f"{_f(r.get(key + '_comm_ms'), '.2f')} | {_f(cos, '.5f')} |")
+        lines.append("")
+    return lines
+
+
 def train_section(runs, directory) -> list:
     lines = ["## Training runs", "",
              "`python -m sage_compile bench train`: a GPT-2-small-shaped byte-level decoder trained from scratch on the "
@@ -332,6 +373,7 @@ def render(directory) -> str:
         lines += ["![kernel TOPS vs N](tops.png)", ""]
     lines += kernel_section(kernel)
     lines += e2e_section(e2e, _variants(directory, "e2e_bench"))
+    lines += eager_section(_load(directory, "eager_bench"))
     if _plot_models(models, os.path.join(directory, "models.png")) or os.path.exists(os.path.join(directory, "models.png")):
         lines += models_section(models)[:4] + ["![speed-up per model](models.png)", ""] + models_section(models)[4:]
     else:
@@ -339,6 +381,7 @@ def render(directory) -> str:
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
     lines += backward_section(_load(directory, "backward"))
     lines += train_section(_load(directory, "train"), directory)
+    lines += context_parallel_section(_load(directory, "context_parallel"))
     return "\n".join(lines).rstrip() + "\n"
 
 

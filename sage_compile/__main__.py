@@ -89,7 +89,7 @@ def bench(args) -> int:
 
     from .bench import BENCHMARKS
 
-    if args.which in ("kernel", "e2e", "models"):
+    if args.which in ("kernel", "eager", "e2e", "models"):
         import torch
 
         if not torch.cuda.is_available():
