@@ -31,6 +31,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from sage_compile import prep
 from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport
 
@@ -525,6 +526,23 @@ def _opaque_interleaved_tables(rope: Rope, d: int) -> bool:
     return any(isinstance(x, tuple) and value_of(x[0]).shape[-1] == d for x in rope.tables)
 
 
+def rope_pair(q: Node, k: Node) -> Optional[Tuple[Rope, Rope]]:
+    """The rotaries (and norms) that made q and k, where both came from one the fused prep takes, in one channel
+    order (Q and K must share it); else None."""
+    rq, rk = match_rope(q), match_rope(k)
+    if rq is None or rk is None or rq.interleaved != rk.interleaved:
+        return None
+    return rq, rk
+
+
+def fuses_producer(q: Node, k: Node, config: SageConfig) -> bool:
+    """This pass will fuse q's and k's producers into the site's prep: the earlier passes judge the site's speed
+    with the thresholds of such sites (else the prep is a pass of its own: thresholds.MEASURED_STANDALONE)."""
+    if not config.fuse_rope or prep.fast_path_reason(value_of(q), value_of(k), config.scheme, None) is not None:
+        return False
+    return rope_pair(q, k) is not None
+
+
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     if not config.fuse_rope:
         return gm
@@ -533,9 +551,10 @@ def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport
         if not is_call(node, {torch.ops.sage.attention.default}):
             continue
         q, k, v = node.args[:3]
-        rq, rk = match_rope(q), match_rope(k)
-        if rq is None or rk is None or rq.interleaved != rk.interleaved:  # Q and K must share one channel order
+        ropes = rope_pair(q, k)
+        if ropes is None:
             continue
+        rq, rk = ropes
         _replace(gm.graph, node, rq, rk, v)
         counters = torch._dynamo.utils.counters["sage"]
         counters["rope_absorbed"] += 1

@@ -14,6 +14,7 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, judge_site, site_name
 from sage_compile.support import AttentionCall, causal_mode
 
+from .absorb_rope import fuses_producer
 from .helpers import finish_rewrite, is_call, replace_node, value_of
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -41,7 +42,9 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
             continue
         args = normalize_sdpa_args(node)
         call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
-        if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled()):
+        standalone = not fuses_producer(args["query"], args["key"], config)
+        if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled(),
+                          standalone=standalone):
             continue
         _replace(gm.graph, node, args, config)
         changed = True

@@ -435,3 +435,24 @@ def test_fast_path_reasons(reason_case):
     kv_lens = torch.ones(1, dtype=torch.int64) if reason_case == "kv_lens" else None
     assert prep.fast_path_reason(x, x, quant, kv_lens) is not None
     assert prep.fast_path_reason(torch.empty(1, 2, 8, 64), torch.empty(1, 2, 8, 64), spec.Scheme(), None) is None
+
+
+def test_the_pass_judges_speed_by_whether_the_rotary_will_be_fused(monkeypatch):
+    """Stage 1 decides a site's speed with the table of sites like it: one whose q and k come from a rotary the fused
+    prep absorbs reads the fused-producer thresholds, a plain one MEASURED_STANDALONE (its prep a pass of its own) —
+    so the report says what the op will run. Thresholds stubbed: 0 behind a rotary, never standalone."""
+    from sage_compile import thresholds
+
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args: thresholds.NEVER if args[-1] else 0)
+
+    def plain(xq, xk, v, cos, sin):
+        return F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2))
+
+    g = torch.Generator().manual_seed(0)
+    xq, xk, v = (torch.randn(1, 64, 2, 64, generator=g).bfloat16() for _ in range(3))
+    cos, sin = (t[:, None, :] for t in tables(64, 64))
+    for fn, replaced in ((block_half_tables, True), (plain, False)):
+        counters.clear()
+        compile_stage1(fn, xq, xk, v, cos, sin, min_seq_len=None)
+        assert counters["sage"]["sites_replaced"] == int(replaced)
+        assert counters["sage"]["sites_kept_sdpa"] == int(not replaced)
