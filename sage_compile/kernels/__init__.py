@@ -101,26 +101,30 @@ def broadcast_strides(t: torch.Tensor) -> tuple:
 def mask_problem(args: KernelArgs) -> Optional[str]:
     """None when ``attn_mask`` is absent or follows the contract: 4-D [B|1, Hq|1, Nq|1, Nk], bool or fp32, on q's
     device (check_inputs raises it)."""
-    mask = args.attn_mask
+    batch, hq, n_q, _ = args.q.shape
+    return attn_mask_problem(args.attn_mask, batch, hq, n_q, args.k.shape[2], args.device)
+
+
+def attn_mask_problem(mask: Optional[torch.Tensor], batch: int, hq: int, n_q: int, n_k: int,
+                      device: torch.device) -> Optional[str]:
+    """``mask_problem`` for an attention of these sizes (the backward's check uses it too)."""
     if mask is None:
         return None
     if mask.dtype not in _MASK_DTYPES:
         return f"attn_mask must be bool or float32 (got {mask.dtype})"
-    batch, hq, n_q, _ = args.q.shape
-    n_k = args.k.shape[2]
     if mask.dim() != 4:
         return f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(mask.shape)})"
     bm, hm, mq, mk = mask.shape
     if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
         return (f"attn_mask shape {tuple(mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
                 f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
-    if mask.device != args.device:
-        return f"attn_mask must be on {args.device} (got {mask.device})"
+    if mask.device != device:
+        return f"attn_mask must be on {device} (got {mask.device})"
     return None
 
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_KV_LENS_DTYPES = (torch.int32, torch.int64)
+KV_LENS_DTYPES = (torch.int32, torch.int64)
 _SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
 
 
@@ -157,7 +161,7 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None
         "lse": (batch, hq, n_q),
     }
     dtypes = {"q": (scheme.qk_type.storage,), "k": (scheme.qk_type.storage,), "v": (scheme.pv_type.storage,),
-              "kv_lens": _KV_LENS_DTYPES, "out": (args.out_dtype,), "lse": (torch.float32,),
+              "kv_lens": KV_LENS_DTYPES, "out": (args.out_dtype,), "lse": (torch.float32,),
               **{name: (torch.float32,) for name in _SCALE_FIELDS}}
     if args.out_dtype not in _OUT_DTYPES:
         raise ValueError(f"sage.quantized_attention: out_dtype={args.out_dtype}; expected one of {_OUT_DTYPES}")

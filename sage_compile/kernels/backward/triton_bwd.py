@@ -41,7 +41,7 @@ try:  # optional: sage_compile imports without Triton (the op then falls back to
 except ImportError:  # pragma: no cover
     triton = None
 
-from .. import broadcast_strides
+from .. import KV_LENS_DTYPES, attn_mask_problem, broadcast_strides
 from ... import spec
 
 NAME = "triton"
@@ -49,8 +49,6 @@ NAME = "triton"
 BLOCK = spec.BWD_BLOCK  # the spec's tile edge: query rows and keys of one tile (the INT8 scale groups)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # padded (spec.padded_head_dim); int8 dots need K ≥ 32 on sm90
 _GRAD_DTYPES = (torch.bfloat16, torch.float16)
-_KV_LENS_DTYPES = (torch.int32, torch.int64)
-_MASK_DTYPES = (torch.bool, torch.float32)
 
 
 def launch_config(padded_head_dim: int):
@@ -289,7 +287,7 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
         "k_scale": ((batch, hkv, n_k), (torch.float32,)),
         "v": ((batch, hkv, n_k, d), _GRAD_DTYPES),
         "lse": ((batch, hq, n_q), (torch.float32,)),
-        "kv_lens": ((batch,), _KV_LENS_DTYPES),
+        "kv_lens": ((batch,), KV_LENS_DTYPES),
     }
     tensors = dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=q, q_scale=q_scale, k=k,
                    k_scale=k_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=attn_mask)
@@ -314,15 +312,9 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
         t = tensors[name]
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             fail(f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
-    if attn_mask is not None:
-        if attn_mask.dtype not in _MASK_DTYPES:
-            fail(f"attn_mask must be bool or float32 (got {attn_mask.dtype})")
-        if attn_mask.dim() != 4:
-            fail(f"attn_mask must be 4-D [B|1, Hq|1, Nq|1, Nk] (got shape {tuple(attn_mask.shape)})")
-        bm, hm, mq, mk = attn_mask.shape
-        if bm not in (1, batch) or hm not in (1, hq) or mq not in (1, n_q) or mk != n_k:
-            fail(f"attn_mask shape {tuple(attn_mask.shape)} does not fit [B|1, Hq|1, Nq|1, Nk] = "
-                 f"[{batch}|1, {hq}|1, {n_q}|1, {n_k}]")
+    mask_reason = attn_mask_problem(attn_mask, batch, hq, n_q, n_k, q.device)
+    if mask_reason is not None:
+        fail(mask_reason)
 
 
 def attention_backward(
