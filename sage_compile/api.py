@@ -66,10 +66,30 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q and cu_seqlens_k[i]:cu_seqlens_k[i+1] of k and v (int32 or int64,
     B+1 entries from 0). Returns out [total_q, Hq, D] (and lse [Hq, total_q] with ``return_lse``). Causal is
     FlashAttention's: the last query aligned with the last key (bottom-right) where the lengths differ. GQA when Hq
-    is a multiple of Hkv. No padding is made: each sequence runs as a view of the packed tensors, one
-    ``sage_attention`` call per sequence (the lengths are read on the host: call it eagerly, outside torch.compile).
-    ``max_seqlen_*`` are checked against the lengths (FlashAttention sizes its grid by them)."""
+    is a multiple of Hkv. Nothing is padded: each sequence is quantized on its own (as ``sage_attention`` would
+    quantize it alone) and, on CUDA, one kernel launch attends every sequence. ``max_seqlen_*`` are checked against
+    the lengths (read on the host: call it eagerly, outside torch.compile).
+
+    What the packed kernel cannot run — inputs that require grad, schemes with ``smooth_q``, calls sage_attention would
+    send to SDPA (fp32 without allow_fp32, ...) — runs as one ``sage_attention`` per sequence, which reports its own
+    fallbacks; the counter ``sage.varlen_per_sequence`` counts those calls, ``sage.varlen_packed`` the others."""
+    from . import varlen
+
     lens_q, lens_k = _varlen_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    config = _DEFAULT_CONFIG if config is None else config
+    causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
+    counters = torch._dynamo.utils.counters["sage"]
+    if varlen.packed_problem(q, k, v, causal, config, torch.is_grad_enabled()) is None:
+        counters["varlen_packed"] += 1
+        out, lse = torch.ops.sage.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, scale,
+                                                   config.op_key())
+        return (out, lse) if return_lse else out
+    counters["varlen_per_sequence"] += 1
+    return _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse)
+
+
+def _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse):
+    """sage_attention_varlen as one sage_attention call per sequence, on views of the packed tensors."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
     start_q = start_k = 0

@@ -50,6 +50,11 @@ def kernel_order() -> Tuple[str, ...]:
     return tuple(by_short[n] for n in names)
 
 
+def available_module(module_name: str):
+    """A family's module where the kernel order (SAGE_KERNELS) keeps it and it imports; else None."""
+    return _load(module_name) if module_name in kernel_order() else None
+
+
 def available_kernels() -> List[Tuple[str, object]]:
     return [(name, _load(name)) for name in kernel_order()]
 

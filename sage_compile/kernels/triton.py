@@ -143,7 +143,7 @@ def _fit_shared_memory(cfg: Config, args: KernelArgs) -> Config:
 @triton.jit
 def _attn_block(
     o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset, k_ptrs, ks_ptrs, v_ptrs, k_desc, v_desc,
-    k_row0, v_row0, ds_ptrs, Nk, NKP, am_ptrs, sam_k, row_ok,
+    k_row0, v_row0, v_col0, ds_ptrs, Nk, NKP, am_ptrs, sam_k, row_ok,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, DS_MODE: tl.constexpr,
     PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
@@ -207,7 +207,7 @@ def _attn_block(
     alpha = tl.math.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
     if USE_TMA:
-        vt = v_desc.load([v_row0, start_n])  # [Dp, BLOCK_N]; columns past Nk_pad16 read as zero
+        vt = v_desc.load([v_row0, v_col0 + start_n])  # [Dp, BLOCK_N]; columns past Nk_pad16 read as zero
     elif MASK:
         vt = tl.load(v_ptrs, mask=(offs_n < NKP)[None, :], other=0.0)
     else:
@@ -231,7 +231,7 @@ def _attn_block(
     do_not_specialize=[
         "Nq", "Nk", "q_group", "head_dim", "causal_offset", "has_vm", "has_kvl",
         "sqs_b", "sqs_h", "sks_b", "sks_h", "sds_b", "sds_h", "sds_g", "slse_b", "slse_h",
-        "svs_b", "svs_h", "svm_b", "svm_h", "sam_b", "sam_h",
+        "svs_b", "svs_h", "svm_b", "svm_h", "sam_b", "sam_h", "n_seq",
     ]
 )
 def _attn_fwd(
@@ -243,6 +243,7 @@ def _attn_fwd(
     HEAD_DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DS_MODE: tl.constexpr, PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    CU_Q, CU_K, CU_BLK, V_FIRST, n_seq, VARLEN: tl.constexpr,
 ):
     if CAUSAL:  # heaviest query blocks first: the light ones fill the tail of the grid
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -255,6 +256,24 @@ def _attn_fwd(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
+    rows_per_head = Nk
+    if VARLEN:  # one batch of packed tokens: this program's sequence and its query block within it
+        seq, pid_m = _varlen_block(CU_BLK, n_seq, pid_m)
+        live = seq < n_seq
+        seq = tl.minimum(seq, n_seq - 1)
+        q_row = tl.load(CU_Q + seq).to(tl.int64)
+        k_row = tl.load(CU_K + seq).to(tl.int64)
+        v_col0 = tl.multiple_of(tl.load(V_FIRST + seq), 16)  # a tensor-map copy starts 16-byte aligned; and Vᵀ's
+        # pointer loads stay vectorized (not declared, the offset made the D=64 causal kernel 2.5× slower on an H100)
+        Nq = tl.where(live, (tl.load(CU_Q + seq + 1) - q_row).to(tl.int32), 0)
+        Nk = tl.where(live, (tl.load(CU_K + seq + 1) - k_row).to(tl.int32), 0)
+        causal_offset = causal_offset * (Nk - Nq)  # the host passes 1 for bottom-right alignment, 0 for top-left
+        bv64 = seq.to(tl.int64)
+    else:
+        q_row = b64 * 0
+        k_row = b64 * 0
+        v_col0 = b * 0
+        bv64 = b64
 
     q_lo = pid_m * BLOCK_M
     offs_m = q_lo + tl.arange(0, BLOCK_M)
@@ -262,15 +281,16 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DP)
     row_ok = offs_m < Nq
 
-    q_ptrs = Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :]
+    q_ptrs = Q + b64 * sq_b + h64 * sq_h + q_row * sq_n + offs_m[:, None] * sq_n + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
-    qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
+    qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + q_row + offs_m, mask=row_ok, other=0.0)
 
-    k_ptrs = K + b64 * sk_b + hk64 * sk_h + offs_n[:, None] * sk_n + offs_d[None, :]
-    ks_ptrs = KS + b64 * sks_b + hk64 * sks_h + offs_n
-    v_ptrs = V + b64 * sv_b + hk64 * sv_h + offs_d[:, None] * sv_d + offs_n[None, :]
-    k_row0 = (b * Hkv + hk) * Nk
+    k_ptrs = K + b64 * sk_b + hk64 * sk_h + k_row * sk_n + offs_n[:, None] * sk_n + offs_d[None, :]
+    ks_ptrs = KS + b64 * sks_b + hk64 * sks_h + k_row + offs_n
+    v_ptrs = V + b64 * sv_b + hk64 * sv_h + v_col0 + offs_d[:, None] * sv_d + offs_n[None, :]
+    k_row0 = (b * Hkv + hk) * rows_per_head + k_row.to(tl.int32)  # tensor-map coordinates are int32
     v_row0 = (b * Hkv + hk) * HEAD_DP
+    NKP = NKP - v_col0  # V̂ᵀ columns readable from this sequence's first key
     if DS_MODE == 1:
         ds_ptrs = DS + b64 * sds_b + h64 * sds_h + (q_lo // q_group) * sds_g + offs_n
     elif DS_MODE == 2:
@@ -307,7 +327,7 @@ def _attn_fwd(
     for start_n in range(0, full_end, BLOCK_N):
         o, m, l = _attn_block(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
-            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
+            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0, v_col0,
             ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
             BLOCK_N, False, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, False, MASK_IS_BOOL,
         )
@@ -315,7 +335,7 @@ def _attn_fwd(
     for start_n in range(full_end, hi, BLOCK_N):
         o, m, l = _attn_block(
             o, m, l, q, qs, offs_m, start_n, n_valid, causal_offset,
-            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0,
+            k_ptrs + start_n * sk_n, ks_ptrs + start_n, v_ptrs + start_n, k_desc, v_desc, k_row0, v_row0, v_col0,
             ds_ptrs + start_n, Nk, NKP, am_ptrs, sam_k, row_ok,
             BLOCK_N, True, CAUSAL, DS_MODE, PV_FP8, IMPRECISE, USE_TMA, HAS_MASK, MASK_IS_BOOL,
         )
@@ -326,17 +346,33 @@ def _attn_fwd(
     l448 = l + qs * 0.0
     has_keys = l448 != 0.0
     inv = tl.where(has_keys, 1.0 / l448, 0.0)
-    vs = tl.load(VS + b64 * svs_b + hk64 * svs_h + offs_d)
+    vs = tl.load(VS + bv64 * svs_b + hk64 * svs_h + offs_d)
     out = o * inv[:, None] * vs[None, :]
     if has_vm != 0:
-        vm = tl.load(VM + b64 * svm_b + hk64 * svm_h + offs_d)
+        vm = tl.load(VM + bv64 * svm_b + hk64 * svm_h + offs_d)
         out = out + tl.where(has_keys[:, None], vm[None, :], 0.0)
     if Out.dtype.element_ty == tl.float16:  # saturates at ±65504, NaN stays NaN (spec.saturate)
         out = tl.where(tl.abs(out) > 65504.0, tl.where(out > 0, 65504.0, -65504.0), out)
-    o_ptrs = Out + b64 * so_b + h64 * so_h + offs_m[:, None] * so_n + offs_d[None, :] * so_d
+    o_ptrs = Out + b64 * so_b + h64 * so_h + q_row * so_n + offs_m[:, None] * so_n + offs_d[None, :] * so_d
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d < head_dim)[None, :])
     lse = tl.where(has_keys, (m + (tl.log2(l448) - 8.807354922057604)) * 0.6931471805599453, float("-inf"))
-    tl.store(Lse + b64 * slse_b + h64 * slse_h + offs_m, lse, mask=row_ok)
+    tl.store(Lse + b64 * slse_b + h64 * slse_h + q_row + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _varlen_block(CU_BLK, n_seq, pid):
+    """(sequence, query block within it) of grid block ``pid``: CU_BLK [n_seq + 1] holds each sequence's first block;
+    a pid past the last block gets sequence n_seq (nothing to do)."""
+    lo = n_seq * 0
+    hi = n_seq
+    while lo < hi:  # the first sequence whose blocks end after pid
+        mid = (lo + hi) // 2
+        if tl.load(CU_BLK + mid + 1) <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    first = tl.load(CU_BLK + tl.minimum(lo, n_seq - 1)).to(tl.int32)
+    return lo, pid - first
 
 
 # ------------------------------------------------------------------------------------------------
@@ -453,5 +489,52 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
         HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
         DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma,
         HAS_MASK=mask is not None, MASK_IS_BOOL=mask_is_bool,
+        CU_Q=dummy, CU_K=dummy, CU_BLK=dummy, V_FIRST=dummy, n_seq=0, VARLEN=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )
+
+
+def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, v_first: torch.Tensor, max_seqlen_k: int,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One launch over a packed ragged batch (``sage_compile.varlen``): ``args`` holds the packed operands as one
+    batch (q [1,Hq,Tq,Dp], k [1,Hkv,Tk,Dp], V̂ᵀ [1,Hkv,Dp,C]) but δV / μV per sequence ([S,Hkv,Dp]); sequence s is
+    queries cu_q[s]:cu_q[s+1], keys cu_k[s]:cu_k[s+1] and V̂ᵀ columns from v_first[s] (int32, a multiple of 16); causal
+    1 aligns top-left, 2 bottom-right, per sequence.
+    out [1,Hq,Tq,D] and lse [1,Hq,Tq] are views of the packed outputs. No ΔS, attn_mask or kv_lens. The grid has a
+    program per query block of every sequence (found by a binary search over ``cu_blk``), plus at most one idle program
+    per sequence: its size needs no host sync."""
+    if args.delta_s is not None or args.attn_mask is not None or args.kv_lens is not None:
+        raise ValueError("triton varlen launch: no delta_s, attn_mask or kv_lens")
+    q, k, v = args.q, args.k, args.v
+    _, hq, total_q, dp = q.shape
+    hkv, total_k, nkp = k.shape[1], k.shape[2], v.shape[-1]
+    n_seq = cu_q.shape[0] - 1
+    if total_q == 0 or n_seq == 0:
+        return
+    cfg = _fit_shared_memory(measured_config(dp, args.causal != 0, max_seqlen_k > 1024), args)
+    use_tma = cfg.tma and _tma_ok(args)
+    blocks = (cu_q[1:] - cu_q[:-1] + cfg.block_m - 1) // cfg.block_m
+    cu_blk = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)]).to(torch.int32)
+    if use_tma:
+        k_desc = _TensorDescriptor(k, [hkv * total_k, dp], [dp, 1], [cfg.block_n, dp])
+        v_desc = _TensorDescriptor(v, [hkv * dp, nkp], [nkp, 1], [dp, cfg.block_n])
+    else:
+        k_desc = v_desc = 0
+    vm = args.v_mean if args.v_mean is not None else args.v_scale
+    pv_fp8 = args.scheme.pv == "fp8"
+    imprecise = cfg.block_n if (pv_fp8 and tuple(_capability(args.device)) != (9, 0)) else 0
+    grid = (triton.cdiv(total_q, cfg.block_m) + n_seq, hq)
+    _attn_fwd[grid](
+        q, k, v, args.q_scale, args.k_scale, args.v_scale, vm, args.q_scale, args.q_scale, out, lse, k_desc, v_desc,
+        0, q.stride(1), q.stride(2), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2),
+        0, args.q_scale.stride(1), 0, args.k_scale.stride(1), args.v_scale.stride(0), args.v_scale.stride(1),
+        vm.stride(0), vm.stride(1), 0, 0, 0,
+        0, out.stride(1), out.stride(2), out.stride(3), 0, lse.stride(1),
+        args.q_scale, 0, 0, 0, 0,
+        hq, hq // hkv, hkv, total_q, total_k, nkp, args.scheme.q_block, args.head_dim, int(args.causal == 2),
+        int(args.v_mean is not None), 0,
+        HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
+        DS_MODE=0, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma, HAS_MASK=False, MASK_IS_BOOL=False,
+        CU_Q=cu_q, CU_K=cu_k, CU_BLK=cu_blk, V_FIRST=v_first, n_seq=n_seq, VARLEN=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,320 @@
+"""Ragged batches in one launch: FlashAttention's packed layout ([total, H, D] and cu_seqlens) quantized and attended
+sequence by sequence without padding any of them to the longest.
+
+* ``prepare_packed`` — the prep over the packed tokens in aten ops: every sequence is quantized exactly as
+  ``spec.prepare`` quantizes it alone (μK, μV and δV per sequence, per_block / per_thread groups counted from each
+  sequence's first token), so a varlen call equals one ``sage_attention`` per sequence within summation order.
+* ``sage::attention_varlen`` — CompositeImplicitAutograd: ``prepare_packed`` + ``sage::quantized_attention_varlen``
+  (opaque). On CUDA that is one launch of the Triton kernel over every (sequence, query block) pair; elsewhere the
+  kernel families run sequence by sequence on views of the packed operands.
+
+Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``VARLEN_SCHEME_PROBLEMS``) and inputs
+that require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from . import spec
+from .kernels import KernelArgs
+from .scheme import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
+
+
+def scheme_problem(scheme: Scheme) -> Optional[str]:
+    """None when the packed path quantizes ``scheme``; else why not."""
+    if scheme.smooth_q:
+        return "smooth_q (ΔS per sequence and query group) is not packed"
+    if scheme.qk_type.channel_block is not None:
+        return f"qk={scheme.qk!r} scales per channel block, not packed"
+    return None
+
+
+@dataclass
+class PackedPrepared:
+    """The packed quantized operands, laid out as one batch of all tokens (what the kernels index):
+    q [1,Hq,Tq,Dp] int8, q_scale [1,Hq,Tq] (includes scale·log2 e), k [1,Hkv,Tk,Dp], k_scale [1,Hkv,Tk],
+    v [1,Hkv,Dp,C] V̂ᵀ; per sequence: v_scale [S,Hkv,Dp], v_mean [S,Hkv,Dp] or None, v_first [S] int32 (its first
+    column of V̂ᵀ, a multiple of 16: ``packed_prepare_v``); lse_shift [1,Hq,Tq]."""
+
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    v_mean: Optional[torch.Tensor]
+    v_first: torch.Tensor
+    scheme: Scheme
+    lse_shift: Optional[torch.Tensor] = None
+
+
+def token_sequence(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, position in it) of each of ``total`` packed tokens, int64 [total] — no host sync."""
+    token = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:].to(torch.int64), token, right=True)
+    return seq, token - cu.to(torch.int64)[seq]
+
+
+def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: bool = False) -> PackedPrepared:
+    """q [Tq,Hq,D], k and v [Tk,Hkv,D] packed; cu_q, cu_k [S+1]. ``spec.prepare`` applied to each sequence alone."""
+    d = q.shape[-1]
+    pad = spec.padded_head_dim(d) - d
+    levels = quant.qk_type.max_level
+    seq_q, pos_q = token_sequence(cu_q, q.shape[0])
+    seq_k, pos_k = token_sequence(cu_k, k.shape[0])
+
+    k_mean = packed_token_mean(k, cu_k, quant.k_mean_sample)  # [S,Hkv,D]
+    if not quant.smooth_k:
+        k_mean = torch.zeros_like(k_mean)
+    k_smooth = k.float() - k_mean[seq_k]
+    qf = q.float()
+    q_amax = packed_group_amax(qf, quant.q_granularity, quant.q_block, seq_q, pos_q, cu_q)
+    k_amax = packed_group_amax(k_smooth, quant.k_granularity, quant.k_block, seq_k, pos_k, cu_k)
+    q8, q_delta = spec.quantize_symmetric(qf, q_amax, levels)
+    k8, k_delta = spec.quantize_symmetric(k_smooth, k_amax, levels)
+    v_t, v_scale, v_mean, v_first = packed_prepare_v(v, quant, cu_k, seq_k, pos_k)
+    lse_shift = None
+    if want_lse:
+        groups = q.shape[1] // k.shape[1]
+        mu = k_mean[seq_q].repeat_interleave(groups, dim=1)  # [Tq,Hq,D]
+        lse_shift = ((qf * mu).sum(-1) * scale).t()[None]
+    return PackedPrepared(
+        q=_heads_first(spec._pad_last(q8, pad)),
+        q_scale=(q_delta * (scale * spec.LOG2E)).t().contiguous()[None],
+        k=_heads_first(spec._pad_last(k8, pad)),
+        k_scale=k_delta.t().contiguous()[None],
+        v=v_t, v_scale=v_scale, v_mean=v_mean, v_first=v_first, scheme=quant, lse_shift=lse_shift,
+    )
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T,H,Dp] → [1,H,T,Dp] contiguous: each head's tokens one run of rows (what a TMA box reads)."""
+    return x.transpose(0, 1).contiguous()[None]
+
+
+def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.Tensor:
+    """``spec.token_mean`` of each sequence: fp32 [S,H,D]; with ``sample``, over the keys
+    ``spec.mean_sample_positions`` picks in it (counted from its first token; a key picked twice counts twice), as a
+    weight per token — no [S, sample] gather of rows; 0 for an empty sequence."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    if statically_known_true(x.shape[0] == 0):  # no token to index
+        return x.new_zeros((lens.shape[0], *x.shape[1:]), dtype=torch.float32)
+    values = spec.finite_or_zero(x.float())
+    count = lens.clamp_min(1)
+    if sample:
+        pos, taken = spec.mean_sample_positions(lens, sample)  # [S, sample]
+        rows = (cu[:-1].to(torch.int64)[:, None] + pos).clamp(max=x.shape[0] - 1)
+        weight = x.new_zeros(x.shape[0], dtype=torch.float32).index_add_(0, rows.flatten(),
+                                                                         taken.flatten().to(torch.float32))
+        values = values * weight[:, None, None]
+        count = lens.clamp(1, sample)
+    return segment_sum(values, lens) / count.to(torch.float32)[:, None, None]
+
+
+def segment_sum(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Σ over each sequence's run of rows ([T,...] → [S,...]; 0 for an empty one): a segmented reduction, not
+    atomics (an index_add of 100K rows into a few dozen made the prep 5× slower than the attention on an H100)."""
+    return torch.segment_reduce(x, "sum", lengths=lens, axis=0, unsafe=True)
+
+
+def segment_amax(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """max over each sequence's run of rows of x ≥ 0 ([T,...] → [S,...]; 0 for an empty one; +∞ propagates)."""
+    return torch.segment_reduce(x, "max", lengths=lens, axis=0, unsafe=True, initial=0.0)
+
+
+def packed_group_amax(x: torch.Tensor, granularity: str, block: int, seq: torch.Tensor, pos: torch.Tensor,
+                      cu: torch.Tensor) -> torch.Tensor:
+    """``spec.group_amax`` of each sequence ([T,H,D] → [T,H]): groups counted from the sequence's first token."""
+    token_amax = x.abs().amax(dim=-1)
+    if granularity == "per_token":
+        return token_amax
+    token_amax = torch.where(token_amax.isnan(), torch.inf, token_amax)  # scatter's amax may drop a NaN; ∞ poisons too
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    if granularity == "per_thread":  # key 128b + 16G + 4t + j of a sequence is in its group (b, t)
+        block, per_block = THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+        local = (pos // block) * per_block + (pos % 16) // 4
+    else:
+        per_block, local = 1, pos // block
+    groups = (lens + block - 1) // block * per_block  # each sequence's groups, numbered one after the other
+    first = torch.cumsum(groups, 0) - groups
+    index = (first[seq] + local)[:, None].expand_as(token_amax)
+    bound = (x.shape[0] // block + lens.shape[0] + 1) * per_block  # ≥ Σ groups, known without a sync
+    grouped = token_amax.new_zeros((bound, token_amax.shape[1]))
+    grouped.scatter_reduce_(0, index, token_amax, "amax")
+    return grouped.gather(0, index)
+
+
+def packed_prepare_v(v: torch.Tensor, quant: Scheme, cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
+    """``spec.prepare_v`` of each sequence: (V̂ᵀ [1,Hkv,Dp,C], δV [S,Hkv,Dp], μV [S,Hkv,Dp] or None, v_first [S] int32).
+    Sequence s's keys are columns v_first[s]... of V̂ᵀ: each sequence starts at a multiple of 16 columns (zeros between),
+    as a tensor-map copy's start in the contiguous dimension must be 16-byte aligned; C = Tk + 15·S rounded up to 16
+    bounds it without a sync. A channel with a non-finite element gets δV = NaN and V̂ = 0 in that sequence only."""
+    d = v.shape[-1]
+    pad = spec.padded_head_dim(d) - d
+    vf = v.float()
+    v_mean = None
+    if quant.smooth_v:
+        mean = packed_token_mean(v, cu, 0)
+        vf = vf - mean[seq]
+        v_mean = spec._pad_last(mean, pad)
+    finite = torch.isfinite(vf)
+    magnitude = torch.where(finite, vf.abs(), torch.inf)  # +∞ marks a poisoned channel (NaN counts as +∞)
+    v_delta, inv = v_scales(segment_amax(magnitude, (cu[1:] - cu[:-1]).to(torch.int64)))
+    v_first, columns = v_columns(cu, v.shape[0])
+    scaled = (torch.where(finite, vf, 0.0) * inv[seq]).permute(1, 2, 0)  # [Hkv,D,Tk]
+    placed = scaled.new_zeros((v.shape[1], d + pad, columns))  # laid out before the cast (0 → 0)
+    placed[:, :d].index_copy_(-1, v_first[seq] + pos, scaled)
+    v_t = spec.quantize_pv_operand(placed, quant.pv)
+    return v_t[None], spec._pad_last(v_delta, pad, value=1.0), v_mean, v_first.to(torch.int32)
+
+
+def v_scales(amax: torch.Tensor):
+    """(δV, 1/δV) from each channel's amax (spec.prepare_v): δV = max(amax/448, tiny), NaN for a poisoned channel
+    (amax +∞), whose reciprocal is 0 (its payload is 0)."""
+    poisoned = torch.isinf(amax)
+    step = amax / torch.full_like(amax, spec.E4M3_MAX)  # a tensor divisor: CUDA divides by a scalar via its reciprocal
+    v_delta = torch.where(poisoned, 1.0, step.clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.where(poisoned, torch.nan, v_delta), torch.where(poisoned, 0.0, 1.0 / v_delta)
+
+
+def v_columns(cu: torch.Tensor, total: int):
+    """(v_first int64 [S], C): each sequence's first column of V̂ᵀ (a multiple of 16) and the columns to allocate,
+    Tk + 15·S rounded up to 16 — a bound known without a sync."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    spans = (lens + 15) // 16 * 16
+    return torch.cumsum(spans, 0) - spans, (total + 15 * (cu.shape[0] - 1) + 15) // 16 * 16
+
+
+def fused_prep_reason(q: torch.Tensor, quant: Scheme) -> Optional[str]:
+    """Why ``prepare_packed_cuda`` cannot prepare this call (None: it can)."""
+    from . import prep
+
+    if not q.is_cuda or not prep.HAS_TRITON:
+        return "the packed Triton prep runs on CUDA with Triton"
+    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity != "per_token":
+        return "the packed Triton prep does int8 with per-token Q and K"
+    if quant.smooth_q or quant.smooth_v or quant.pv != "fp8":
+        return "the packed Triton prep does FP8 PV without smooth_q or smooth_v"
+    if q.shape[-1] not in prep.HEAD_DIMS:
+        return f"the packed Triton prep takes head dims {prep.HEAD_DIMS}"
+    return None
+
+
+def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, quant: Scheme) -> PackedPrepared:
+    """``prepare_packed`` (with the LSE shift) as Triton kernels, for what ``fused_prep_reason`` accepts: μK and δV's
+    amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V."""
+    from .kernels import varlen_prep_triton as kernels
+
+    seq_q, _ = token_sequence(cu_q, q.shape[0])
+    seq_k, _ = token_sequence(cu_k, k.shape[0])
+    lens = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+    sample = quant.k_mean_sample
+    count = lens.clamp(1, sample) if sample else lens.clamp_min(1)
+    k_mean = kernels.segment_reduce(k, cu_k, max_seqlen_k, sample=sample) / count.to(torch.float32)[:, None, None]
+    if not quant.smooth_k:
+        k_mean = torch.zeros_like(k_mean)
+    q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale)
+    k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0)
+    v_delta, inv = v_scales(kernels.segment_reduce(v, cu_k, max_seqlen_k, amax=True))
+    v_first, columns = v_columns(cu_k, v.shape[0])
+    v_t = kernels.quantize_v(v, seq_k, cu_k, v_first, inv, columns)
+    return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,
+                          v_first=v_first.to(torch.int32), scheme=quant, lse_shift=shift)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The ops
+# ------------------------------------------------------------------------------------------------------------------
+from . import dispatch, ops  # noqa: E402  (ops defines the library the ops below join)
+from .config import SageConfig  # noqa: E402
+
+ops._LIB.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                "SymInt max_seqlen_k, int causal=0, float? scale=None, str config='') -> (Tensor, Tensor)")
+
+
+@torch.library.impl(ops._LIB, "attention_varlen", "CompositeImplicitAutograd")
+def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal=0, scale=None,
+                                    config=""):
+    """The packed prep in aten ops + sage.quantized_attention_varlen: returns (out [Tq,Hq,D], lse [Hq,Tq] fp32, natural
+    log of each row's scaled scores, −inf for a row that sees no key). Callers check ``packed_problem`` first."""
+    scheme = SageConfig.from_op_key(config).scheme
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if ops._runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
+        p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, scheme)
+        torch._dynamo.utils.counters["sage"]["varlen_fused_prep"] += 1
+    else:
+        p = prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, scheme, want_lse=True)
+    out, lse = torch.ops.sage.quantized_attention_varlen(
+        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.v_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+        causal, q.shape[-1], q.dtype, scheme.encode())
+    return out, lse + p.lse_shift[0]
+
+
+def packed_problem(q, k, v, causal: int, config: SageConfig, grad_enabled: bool) -> Optional[str]:
+    """None when ``sage.attention_varlen`` runs this call (packed q [Tq,Hq,D], k and v [Tk,Hkv,D]); else why not."""
+    from .support import AttentionCall, unsupported_reason
+
+    if grad_enabled and any(t.requires_grad for t in (q, k, v)):
+        return "inputs require grad (the packed kernel has no backward)"
+    views = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    call = AttentionCall(*views, is_causal=causal != spec.CAUSAL_NONE, enable_gqa=q.shape[1] != k.shape[1])
+    return unsupported_reason(call, config, grad_enabled) or scheme_problem(config.scheme)
+
+
+@ops._define_op(tags=(torch.Tag.needs_contiguous_strides,))
+def quantized_attention_varlen(
+    q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
+    v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], v_first: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_k: int, causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The packed operands of ``PackedPrepared`` → (out [Tq,Hq,head_dim], lse [Hq,Tq] over the smoothed scores). One
+    Triton launch on CUDA; elsewhere the kernel families run each sequence on views of the operands."""
+    ops._no_grad_inputs("quantized_attention_varlen", q_scale, k_scale, v, v_scale, v_mean)
+    out, lse = _packed_outputs(q, head_dim, out_dtype)
+    args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, None, None, None, causal, head_dim, out_dtype,
+                      Scheme.decode(scheme))
+    out4, lse3 = out.transpose(0, 1)[None], lse[None]
+    if _one_launch(args):
+        from .kernels import triton as triton_kernel
+
+        triton_kernel.launch_varlen(args, cu_seqlens_q, cu_seqlens_k, v_first, max_seqlen_k, out4, lse3)
+    else:
+        _each_sequence(args, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), v_first.tolist(), out4, lse3)
+    return out, lse
+
+
+@torch.library.register_fake("sage::quantized_attention_varlen")
+def _(q, q_scale, k, k_scale, v, v_scale, v_mean, v_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, head_dim,
+      out_dtype, scheme):
+    return _packed_outputs(q, head_dim, out_dtype)
+
+
+def _packed_outputs(q, head_dim, out_dtype):
+    _, hq, total, _ = q.shape
+    return (q.new_empty((total, hq, head_dim), dtype=out_dtype),
+            q.new_empty((hq, total), dtype=torch.float32))
+
+
+def _one_launch(args: KernelArgs) -> bool:
+    """Whether the Triton kernel takes the whole packed batch: a CUDA device it supports."""
+    if args.device.type != "cuda":
+        return False
+    module = dispatch.available_module("sage_compile.kernels.triton")
+    return module is not None and module.supports(args.site) is None and module.accepts(args) is None
+
+
+def _each_sequence(args: KernelArgs, cu_q, cu_k, v_first, out, lse) -> None:
+    """Sequence by sequence on views of the packed operands, through the usual dispatch (the CPU kernel here)."""
+    for s in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
+        if q1 == q0:
+            continue
+        one = KernelArgs(args.q[:, :, q0:q1], args.q_scale[:, :, q0:q1], args.k[:, :, k0:k1],
+                         args.k_scale[:, :, k0:k1], args.v[..., v_first[s]:v_first[s] + k1 - k0], args.v_scale[s:s + 1],
+                         None if args.v_mean is None else args.v_mean[s:s + 1], None, None, None, args.causal,
+                         args.head_dim, args.out_dtype, args.scheme)
+        dispatch.run(one, out[:, :, q0:q1], lse[:, :, q0:q1])

@@ -1,0 +1,129 @@
+"""The packed varlen kernel (one Triton launch over every sequence of a ragged batch) on the GPU.
+
+* Each sequence of the launch against the spec's oracle run on that sequence's views of the packed operands, with the
+  kernel's key block: the tolerance of tests/gpu/test_triton_kernel.py's docstring (the same kernel body; only where
+  a program finds its rows and keys changes). Outputs poisoned (NaN) before the launch: every row is written.
+* Many short sequences, empty ones, int64 cu_seqlens, GQA, causal top-left and bottom-right, D 64 / 128, fp8 and fp16
+  PV, smooth_v; the grid's idle programs write nothing.
+* The packed Triton prep (what an eager call runs) against the aten prep: Q̂, δQ, V̂, δV and the column layout bit-equal,
+  K̂ within one level and δK, the LSE shift within summation order (μK's sum and a row-wise dot in another order).
+* sage_attention_varlen end to end against fp32 SDPA per sequence (the quantization error of the batched op).
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
+tk = pytest.importorskip("sage_compile.kernels.triton")
+from gpu_cases import DEV, assert_close_to_oracle  # noqa: E402
+from helpers import cosine, rel_l1  # noqa: E402
+from sage_compile import SageConfig, sage_attention_varlen, spec, varlen  # noqa: E402
+from sage_compile.kernels import KernelArgs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = SageConfig(min_seq_len=0, fallback="error")
+
+
+def _cu(lens, dtype=torch.int32):
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=dtype, device=DEV)
+
+
+def _packed(lens, heads, d, seed, bias=0.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(sum(lens), heads, d, device=DEV, generator=g) + bias).bfloat16()
+
+
+def _launch(lens_q, lens_k, hq, hkv, d, causal, scheme, seed, cu_dtype=torch.int32):
+    q, k, v = _packed(lens_q, hq, d, seed), _packed(lens_k, hkv, d, seed + 1, 1.0), _packed(lens_k, hkv, d, seed + 2)
+    cu_q, cu_k = _cu(lens_q, cu_dtype), _cu(lens_k, cu_dtype)
+    p = varlen.prepare_packed(q, k, v, cu_q, cu_k, d ** -0.5, scheme)
+    args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None, None, None, causal, d,
+                      torch.bfloat16, scheme)
+    out = torch.full((q.shape[0], hq, d), math.nan, dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((hq, q.shape[0]), math.nan, dtype=torch.float32, device=DEV)
+    tk.launch_varlen(args, cu_q, cu_k, p.v_first, max(lens_k), out.transpose(0, 1)[None], lse[None])
+    return args, p.v_first.tolist(), out, lse
+
+
+def _check_each_sequence(args, v_first, out, lse, lens_q, lens_k, label):
+    block_n = tk.measured_config(args.q.shape[-1], args.causal != 0, max(lens_k) > 1024).block_n
+    cq, ck = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    for s in range(len(lens_q)):
+        (q0, q1), (k0, k1) = cq[s:s + 2], ck[s:s + 2]
+        if q0 == q1:
+            continue
+        one = KernelArgs(args.q[:, :, q0:q1], args.q_scale[:, :, q0:q1], args.k[:, :, k0:k1],
+                         args.k_scale[:, :, k0:k1], args.v[..., v_first[s]:v_first[s] + k1 - k0], args.v_scale[s:s + 1],
+                         None if args.v_mean is None else args.v_mean[s:s + 1], None, None, None, args.causal,
+                         args.head_dim, args.out_dtype, args.scheme)
+        assert_close_to_oracle(one, out[q0:q1].transpose(0, 1)[None], lse[:, q0:q1][None], block_n,
+                               f"{label} sequence {s}")
+
+
+@settings(deadline=None, max_examples=20)
+@given(lens=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 900)), min_size=1, max_size=9),
+       causal=st.sampled_from([0, 1, 2]), gqa=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]),
+       pv=st.sampled_from(["fp8", "fp16"]), smooth_v=st.booleans(), seed=st.integers(0, 2**16))
+def test_each_sequence_of_one_launch_matches_the_oracle(lens, causal, gqa, d, pv, smooth_v, seed):
+    lens_q, lens_k = [a for a, _ in lens], [b for _, b in lens]
+    if sum(lens_q) == 0:
+        lens_q[0] = 1
+    scheme = spec.Scheme(pv=pv, smooth_v=smooth_v)
+    args, v_first, out, lse = _launch(lens_q, lens_k, 2 * gqa, 2, d, causal, scheme, seed,
+                                      torch.int64 if seed % 2 else torch.int32)
+    _check_each_sequence(args, v_first, out, lse, lens_q, lens_k, f"causal={causal} gqa={gqa} d={d} {pv}")
+
+
+def test_long_and_many_sequences():
+    """Key blocks of 128 past 1K keys (the long-keys configuration), and 200 sequences of 1–40 tokens (most programs of
+    the grid find no rows of their own)."""
+    for lens_q, lens_k, causal in (([3000, 1500, 77], [3000, 2100, 77], 2),
+                                   ([(i * 7) % 40 + 1 for i in range(200)], [(i * 11) % 40 + 1 for i in range(200)], 0)):
+        args, v_first, out, lse = _launch(lens_q, lens_k, 8, 2, 128, causal, spec.Scheme(), seed=len(lens_q))
+        _check_each_sequence(args, v_first, out, lse, lens_q, lens_k, f"{len(lens_q)} sequences")
+
+
+@pytest.mark.parametrize("sample,smooth_k,gqa", [(512, True, 1), (8, True, 4), (0, True, 2), (512, False, 1)])
+def test_the_fused_packed_prep_equals_the_aten_prep(sample, smooth_k, gqa):
+    lens = [700, 0, 1, 2900, 64, 333]
+    q, k, v = _packed(lens, 4 * gqa, 128, 5), _packed(lens, 4, 128, 6, 2.0), _packed(lens, 4, 128, 7)
+    v[710, 2, 5] = float("nan")  # poisons channel 5 of head 2 in the fourth sequence only
+    cu = _cu(lens)
+    quant = spec.Scheme(k_mean_sample=sample, smooth_k=smooth_k)
+    # the spec on the CPU: CUDA's aten divides by a scalar through its reciprocal, so it is not the spec's IEEE δ
+    ref = varlen.prepare_packed(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), cu.cpu(), 0.1, quant, want_lse=True)
+    got = varlen.prepare_packed_cuda(q, k, v, cu, cu, max(lens), 0.1, quant)
+    got = varlen.PackedPrepared(**{name: value.cpu() if isinstance(value, torch.Tensor) else value
+                                   for name, value in vars(got).items()})
+    assert torch.equal(got.q, ref.q) and torch.equal(got.q_scale, ref.q_scale)
+    assert (got.k.int() - ref.k.int()).abs().max() <= 1
+    assert torch.allclose(got.k_scale, ref.k_scale, rtol=1e-5, atol=0)
+    assert torch.equal(got.v_first, ref.v_first) and torch.equal(got.v.float(), ref.v.float())
+    assert torch.equal(got.v_scale.isnan(), ref.v_scale.isnan()) and bool(got.v_scale[3, 2, 5].isnan())
+    assert torch.equal(got.v_scale.nan_to_num(), ref.v_scale.nan_to_num())
+    assert torch.allclose(got.lse_shift, ref.lse_shift, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sage_attention_varlen_is_as_accurate_as_the_batched_op(causal):
+    """End to end against fp32 attention of each sequence (bottom-right causal): the batched op's accuracy bar."""
+    lens = [4096, 1000, 2500, 300]
+    q, k, v = _packed(lens, 8, 128, 1), _packed(lens, 8, 128, 2, 1.0), _packed(lens, 8, 128, 3)
+    counters = torch._dynamo.utils.counters["sage"]
+    before, fused = counters["varlen_packed"], counters["varlen_fused_prep"]
+    out = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), max(lens), max(lens), is_causal=causal, config=CONFIG)
+    assert counters["varlen_packed"] == before + 1 and counters["varlen_fused_prep"] == fused + 1
+    bounds = _cu(lens).tolist()
+    for s in range(len(lens)):
+        a, b = bounds[s:s + 2]
+        one = [t[a:b].transpose(0, 1)[None].float() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = torch.nn.functional.scaled_dot_product_attention(*one, is_causal=causal)
+        mine = out[a:b].transpose(0, 1)[None]
+        assert cosine(mine, ref) >= 0.999 and rel_l1(mine, ref) <= 0.06, (s, cosine(mine, ref), rel_l1(mine, ref))
