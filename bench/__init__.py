@@ -15,6 +15,8 @@ BENCHMARKS = {
     "train": ("train_bench", "training: loss curves on real text (sage vs bf16 SDPA), a Llama-shaped step; GPU"),
     "context_parallel": ("context_parallel_bench", "ring and Ulysses attention over this host's GPUs at 128K tokens vs "
                                                    "one GPU; GPUs (NCCL)"),
+    "varlen": ("varlen_bench", "a ragged batch: sage_attention_varlen (packed) vs padded, per-sequence and "
+                               "FlashAttention's varlen; GPU"),
     "accuracy": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
     "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
 }
