@@ -206,6 +206,31 @@ def eager_section(runs) -> list:
     return lines
 
 
+def varlen_section(runs) -> list:
+    lines = ["## Ragged batches: `sage_attention_varlen`", "",
+             "`python -m sage_compile bench varlen`: one batch of sequences of mixed lengths (log-uniform, lengths in "
+             "the file), TOPS of the useful work only (Σ 4·H·len²·D / t, halved for causal), whole call. varlen: "
+             "packed, one kernel launch; document: the same batch as one row under a document mask "
+             "(`sage.document_attention`, what the document-mask pass places); loop: one `sage_attention` per "
+             "sequence; padded: the batch padded to its longest sequence (sage, and SDPA); flash varlen: PyTorch's "
+             "`varlen_attn`. cos: varlen vs fp32, worst of the three longest sequences.", ""]
+    columns = (("varlen", "sage_varlen"), ("document", "sage_document"), ("loop", "sage_loop"),
+               ("sage padded", "sage_padded"), ("SDPA padded", "sdpa_padded"), ("flash varlen", "flash_varlen"))
+    for _, data in runs:
+        info = data["info"]
+        lines += [f"### {measured(data)}, {len(info['lengths'])} sequences of {min(info['lengths'])}–"
+                  f"{max(info['lengths'])} tokens ({info['total_tokens']} in all)", "",
+                  "| D | H | causal | " + " | ".join(label for label, _ in columns) + " | varlen / flash | cos |",
+                  "|---|---|---|" + "---|" * (len(columns) + 2)]
+        for r in data["rows"]:
+            cells = " | ".join(_f(r.get(f"{key}_tops")) for _, key in columns)
+            ratio = r["sage_varlen_tops"] / r["flash_varlen_tops"] if r.get("flash_varlen_tops") else None
+            lines.append(f"| {r['d']} | {r['h']} | {r['causal']} | {cells} | {_f(ratio, '.2f')} | "
+                         f"{r['sage_varlen_cos']:.5f} |")
+        lines.append("")
+    return lines
+
+
 def context_parallel_section(runs) -> list:
     lines = ["## Context parallelism: one sequence over several GPUs", "",
              "`python -m sage_compile bench context_parallel`: thousands of tokens per second of one attention over "
@@ -381,6 +406,7 @@ def render(directory) -> str:
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
     lines += backward_section(_load(directory, "backward"))
     lines += train_section(_load(directory, "train"), directory)
+    lines += varlen_section(_load(directory, "varlen_bench"))
     lines += context_parallel_section(_load(directory, "context_parallel"))
     return "\n".join(lines).rstrip() + "\n"
 

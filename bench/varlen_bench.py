@@ -7,6 +7,8 @@ beside the same batch padded to its longest sequence, one call per sequence, and
 Lengths: ``--seqs`` values log-uniform in [min-len, max-len] (seeded; queries and keys the same). Columns (TOPS = the
 useful work only, Σ 4·H·len²·D, halved for causal, over the time of the whole call, prep and host checks included):
 * ``sage_varlen`` — ``sage_attention_varlen(q, k, v, cu, cu, ...)`` on the packed [total, H, D] tensors;
+* ``sage_document`` — the same batch as one row [1, H, total, D] under a document mask, as the document-mask pass runs
+  it (``sage.document_attention``: ids grouped on the GPU, boundaries read on the host, one varlen run);
 * ``sage_loop`` — one ``sage_attention`` per sequence on views of the packed tensors (what varlen ran before its
   packed kernel);
 * ``sage_padded`` — ``sage_attention`` on the batch padded to the longest sequence, with a key-padding mask (causal:
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from . import recording
 from .kernel_bench import SHAPES, interleaved_ms
 
-COLUMNS = ("sage_varlen", "sage_loop", "sage_padded", "sdpa_padded", "flash_varlen")
+COLUMNS = ("sage_varlen", "sage_document", "sage_loop", "sage_padded", "sdpa_padded", "flash_varlen")
 
 
 def lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list:
@@ -48,7 +50,7 @@ def _flash_varlen():
 
 
 def _columns(q, k, v, lens, causal: bool) -> dict:
-    from sage_compile import SageConfig, sage_attention, sage_attention_varlen
+    from sage_compile import SageConfig, sage_attention, sage_attention_varlen, varlen  # noqa: F401 (registers ops)
 
     config = SageConfig(min_seq_len=0)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=q.device)
@@ -57,6 +59,8 @@ def _columns(q, k, v, lens, causal: bool) -> dict:
     key_ok = torch.arange(longest, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
     mask = None if causal else key_ok[:, None, None, :]
     views = [[t[a:b].transpose(0, 1)[None] for t in (q, k, v)] for a, b in zip(bounds, bounds[1:])]
+    rows = [t.transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, total, D]
+    ids = torch.repeat_interleave(torch.arange(len(lens), device=q.device), torch.tensor(lens, device=q.device))
 
     def loop():
         for one in views:
@@ -65,6 +69,7 @@ def _columns(q, k, v, lens, causal: bool) -> dict:
     calls = {
         "sage_varlen": lambda: sage_attention_varlen(q, k, v, cu, cu, longest, longest, is_causal=causal,
                                                      config=config),
+        "sage_document": lambda: torch.ops.sage.document_attention(*rows, ids, causal, None, config.op_key()),
         "sage_loop": loop,
         "sage_padded": lambda: sage_attention(*padded, attn_mask=mask, is_causal=causal, config=config),
         "sdpa_padded": lambda: F.scaled_dot_product_attention(*padded, attn_mask=mask, is_causal=causal),
@@ -158,11 +163,11 @@ def main(argv=None):
 
 
 def _header() -> str:
-    return f"{'D':>4} {'causal':>6} " + "".join(f"{c:>13}" for c in COLUMNS) + "   varlen/padded  varlen/flash     cos"
+    return f"{'D':>4} {'causal':>6} " + "".join(f"{c:>14}" for c in COLUMNS) + "   varlen/padded  varlen/flash     cos"
 
 
 def _fmt(row) -> str:
-    cell = lambda c: f"{row[c + '_tops']:13.0f}" if c + "_tops" in row else f"{'-':>13}"  # noqa: E731
+    cell = lambda c: f"{row[c + '_tops']:14.0f}" if c + "_tops" in row else f"{'-':>14}"  # noqa: E731
     ratio = lambda c: f"{row['sage_varlen_tops'] / row[c + '_tops']:14.2f}x" if c + "_tops" in row else f"{'-':>15}"  # noqa: E731
     return (f"{row['d']:>4} {row['causal']:>6} " + "".join(cell(c) for c in COLUMNS) + ratio("sage_padded")
             + ratio("flash_varlen") + f"  {row['sage_varlen_cos']:.5f}")

@@ -2,6 +2,8 @@
 
 Stage 1 runs on the Dynamo graph (torch IR) inside the backend, before AOTAutograd, in this order:
 
+* ``document_mask`` — SDPA under a document mask (ids[:, None] == ids[None, :], optionally & causal) →
+  sage.document_attention, a varlen run over the documents;
 * ``rewrite_sdpa`` — F.scaled_dot_product_attention → sage.attention, where supported;
 * ``match_manual_attention`` — hand-written softmax(Q·Kᵀ·s + mask)·V → sage.attention;
 * ``absorb_rope`` — sage.attention whose q and k come from a rotary (and an RMS norm before it) →
@@ -16,13 +18,15 @@ Stage 2 runs inside Inductor, on the joint graph (aten IR), handed over as a Cus
 ``helpers`` holds what the passes share; ``graph_pass`` the CustomGraphPass plumbing.
 """
 from .absorb_rope import absorb_rope
+from .document_mask import rewrite_document_masks
 from .graph_pass import SagePass
 from .match_manual_attention import match_manual_attention
 from .rewrite_sdpa import rewrite_sdpa
 from .rewrite_sdpa_variants import rewrite_sdpa_variants
 
-# Stage 1, in order: rewrite_sdpa and match_manual_attention make the sage.attention nodes absorb_rope looks for.
-STAGE1 = (rewrite_sdpa, match_manual_attention, absorb_rope)
+# Stage 1, in order: document masks first (rewrite_sdpa would take them as plain masks); rewrite_sdpa and
+# match_manual_attention make the sage.attention nodes absorb_rope looks for.
+STAGE1 = (rewrite_document_masks, rewrite_sdpa, match_manual_attention, absorb_rope)
 
 
 def run_stage1(gm, config, report):

@@ -67,24 +67,29 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     B+1 entries from 0). Returns out [total_q, Hq, D] (and lse [Hq, total_q] with ``return_lse``). Causal is
     FlashAttention's: the last query aligned with the last key (bottom-right) where the lengths differ. GQA when Hq
     is a multiple of Hkv. Nothing is padded: each sequence is quantized on its own (as ``sage_attention`` would
-    quantize it alone) and, on CUDA, one kernel launch attends every sequence. ``max_seqlen_*`` are checked against
-    the lengths (read on the host: call it eagerly, outside torch.compile).
+    quantize it alone) and, on CUDA, one kernel launch attends every sequence. The bounds must rise from 0 to the packed
+    token counts, no sequence longer than ``max_seqlen_*``: checked on the host where cu_seqlens are CPU tensors (then
+    copied to q's device), by a device-side assert where they are on the GPU already — no host sync, so the call stays
+    asynchronous (a violation stops the CUDA context with the message).
 
     What the packed kernel cannot run — inputs that require grad, schemes with ``smooth_q``, calls sage_attention would
     send to SDPA (fp32 without allow_fp32, ...) — runs as one ``sage_attention`` per sequence, which reports its own
     fallbacks; the counter ``sage.varlen_per_sequence`` counts those calls, ``sage.varlen_packed`` the others."""
     from . import varlen
 
-    lens_q, lens_k = _varlen_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     config = _DEFAULT_CONFIG if config is None else config
     causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
     counters = torch._dynamo.utils.counters["sage"]
+    bounds = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("cu_seqlens_k", cu_seqlens_k, k.shape[0],
+                                                                          max_seqlen_k))
     if varlen.packed_problem(q, k, v, causal, config, torch.is_grad_enabled()) is None:
         counters["varlen_packed"] += 1
-        out, lse = torch.ops.sage.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, scale,
-                                                   config.op_key())
+        cu_q, cu_k = (_checked_bounds(*bound, q.device) for bound in bounds)
+        out, lse = torch.ops.sage.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_k, causal, scale, config.op_key())
         return (out, lse) if return_lse else out
     counters["varlen_per_sequence"] += 1
+    lens_q, lens_k = (_host_lengths(*bound) for bound in bounds)
     return _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse)
 
 
@@ -106,28 +111,46 @@ def _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse
     return (out, lse) if return_lse else out
 
 
-def _varlen_lengths(q, k, v, cu_q, cu_k, max_q, max_k):
-    """The per-sequence lengths, with errors naming what is wrong."""
+def _check_varlen_shapes(q, k, v, cu_q, cu_k) -> None:
+    """What the tensors' shapes and dtypes tell, with errors naming what is wrong (no values read)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"sage_attention_varlen: q, k, v must be packed [total, H, D]; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"sage_attention_varlen: k and v hold {k.shape[0]} and {v.shape[0]} tokens")
-    lengths = []
-    for name, cu, total, most in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"sage_attention_varlen: {name} must be a 1-D int32/int64 tensor")
-        bounds = cu.tolist()
-        if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds)):
-            raise ValueError(f"sage_attention_varlen: {name}={bounds} must rise from 0 to the {total} packed tokens")
-        lens = [b - a for a, b in zip(bounds, bounds[1:])]
-        if lens and max(lens) > most:
-            raise ValueError(f"sage_attention_varlen: a sequence of {max(lens)} tokens exceeds max_seqlen {most}")
-        lengths.append(lens)
-    if len(lengths[0]) != len(lengths[1]):
-        raise ValueError(f"sage_attention_varlen: {len(lengths[0])} query sequences but {len(lengths[1])} key "
+        if cu.shape[0] == 0:
+            raise ValueError(f"sage_attention_varlen: {name} is empty; it holds B + 1 bounds from 0")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"sage_attention_varlen: {cu_q.shape[0] - 1} query sequences but {cu_k.shape[0] - 1} key "
                          "sequences")
-    return lengths
+
+
+def _host_lengths(name: str, cu: torch.Tensor, total: int, most: int) -> list:
+    """The sequence lengths of ``cu``, read on the host, or the error naming what is wrong with them."""
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != total or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"sage_attention_varlen: {name}={bounds} must rise from 0 to the {total} packed tokens")
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if lens and max(lens) > most:
+        raise ValueError(f"sage_attention_varlen: a sequence of {max(lens)} tokens exceeds max_seqlen {most}")
+    return lens
+
+
+def _checked_bounds(name: str, cu: torch.Tensor, total: int, most: int, device: torch.device) -> torch.Tensor:
+    """``cu`` on ``device``, its values checked: on the host for a CPU tensor, else by a device-side assert (no sync)."""
+    if cu.device.type == "cpu":
+        _host_lengths(name, cu, total, most)
+        return cu.to(device)
+    lens = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == total) & (lens.min() >= 0 if lens.numel() else True)
+    torch._assert_async(ok, f"sage_attention_varlen: {name} must rise from 0 to the {total} packed tokens")
+    if lens.numel():
+        torch._assert_async(lens.max() <= most, f"sage_attention_varlen: a sequence of {name} exceeds max_seqlen "
+                                                f"{most}")
+    return cu
 
 
 def merge_attention(parts):

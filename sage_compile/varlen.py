@@ -318,3 +318,38 @@ def _each_sequence(args: KernelArgs, cu_q, cu_k, v_first, out, lse) -> None:
                          None if args.v_mean is None else args.v_mean[s:s + 1], None, None, None, args.causal,
                          args.head_dim, args.out_dtype, args.scheme)
         dispatch.run(one, out[:, :, q0:q1], lse[:, :, q0:q1])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Document masks: attention within each document of a packed sequence (placed by passes/document_mask.py)
+# ------------------------------------------------------------------------------------------------------------------
+@ops._define_op()
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, is_causal: bool,
+                       scale: Optional[float], config: str) -> torch.Tensor:
+    """SDPA with attn_mask = (doc_ids[..., :, None] == doc_ids[..., None, :]) (& causal): token i sees token j iff both
+    carry the same id (and j ≤ i). q [B,Hq,N,D], k and v [B,Hkv,N,D], doc_ids [N] or [B,N] integers in any order. The
+    tokens of each row are grouped by id (a stable sort: within a document the order, so causality, is kept) and run
+    as one ``sage.attention_varlen`` over every document of every row; the output comes back in q's token order.
+    Opaque: the run boundaries are read on the host (one sync a call, so no CUDA-graph capture)."""
+    ops._no_grad_inputs("document_attention", q, k, v)
+    batch, hq, n, _ = q.shape
+    ids = doc_ids.reshape(-1, n).expand(batch, n)
+    order = torch.argsort(ids, dim=-1, stable=True)
+    sorted_ids = torch.gather(ids, -1, order)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]  # a document starts where the id changes, or a row does
+    first = torch.nonzero(starts.flatten()).flatten()  # the sync
+    cu = torch.cat([first, first.new_full((1,), batch * n)]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if n else 0
+    tokens = (order + torch.arange(batch, device=q.device)[:, None] * n).flatten()
+    packed = [t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3]).index_select(0, tokens) for t in (q, k, v)]
+    causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
+    out, _ = torch.ops.sage.attention_varlen(*packed, cu, cu, longest, causal, scale, config)
+    result = torch.empty_like(out).index_copy_(0, tokens, out)
+    return result.view(batch, n, hq, -1).transpose(1, 2)
+
+
+@torch.library.register_fake("sage::document_attention")
+def _(q, k, v, doc_ids, is_causal, scale, config):
+    batch, hq, n, _ = q.shape
+    return q.new_empty((batch, n, hq, v.shape[-1])).transpose(1, 2)

@@ -23,6 +23,7 @@ tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import DEV, assert_close_to_oracle  # noqa: E402
 from helpers import cosine, rel_l1  # noqa: E402
 from sage_compile import SageConfig, sage_attention_varlen, spec, varlen  # noqa: E402
+from sage_compile.backend import sage_backend  # noqa: E402
 from sage_compile.kernels import KernelArgs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -127,3 +128,32 @@ def test_sage_attention_varlen_is_as_accurate_as_the_batched_op(causal):
             ref = torch.nn.functional.scaled_dot_product_attention(*one, is_causal=causal)
         mine = out[a:b].transpose(0, 1)[None]
         assert cosine(mine, ref) >= 0.999 and rel_l1(mine, ref) <= 0.06, (s, cosine(mine, ref), rel_l1(mine, ref))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_attention_equals_the_masked_attention(causal):
+    """sage.document_attention (what the document-mask pass places) on the GPU, documents shuffled along the row: the
+    masked fp32 attention within the batched op's accuracy, and a compiled model whose mask the pass took gives the same
+    output as the op called directly."""
+    n = 3000
+    ids = torch.cat([torch.full((size,), i, device=DEV) for i, size in enumerate([1000, 7, 1500, 493])])
+    ids = ids[torch.randperm(n, device=DEV, generator=torch.Generator(device=DEV).manual_seed(0))]
+    q, k, v = (torch.randn(2, 8, n, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    mask = ids[:, None] == ids[None, :]
+    if causal:
+        mask = mask & torch.ones(n, n, dtype=torch.bool, device=DEV).tril()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    out = torch.ops.sage.document_attention(q, k, v, ids, causal, None, CONFIG.op_key())
+    assert cosine(out, ref) >= 0.999 and rel_l1(out, ref) <= 0.06
+
+    def model(q, k, v, ids):
+        mask = ids[:, None] == ids[None, :]
+        if causal:
+            mask = mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=sage_backend, options={"sage_config": CONFIG}, fullgraph=True)(q, k, v, ids)
+    assert torch.equal(compiled, out)
