@@ -35,10 +35,10 @@ def scheme_problem(scheme: Scheme) -> Optional[str]:
 
 @dataclass
 class PackedPrepared:
-    """The packed quantized operands, laid out as one batch of all tokens (what the kernels index):
-    q [1,Hq,Tq,Dp] int8, q_scale [1,Hq,Tq] (includes scale·log2 e), k [1,Hkv,Tk,Dp], k_scale [1,Hkv,Tk],
-    v [1,Hkv,Dp,C] V̂ᵀ; per sequence: v_scale [S,Hkv,Dp], v_mean [S,Hkv,Dp] or None, v_first [S] int32 (its first
-    column of V̂ᵀ, a multiple of 16: ``packed_prepare_v``); lse_shift [1,Hq,Tq]."""
+    """The packed quantized operands, laid out as one batch of all tokens (what the kernels index): q [1,Hq,Tq,Dp] int8,
+    q_scale [1,Hq,Tq] (includes scale·log2 e), lse_shift [1,Hq,Tq]; the keys in C slots (``key_slots``), sequence s's
+    from slot key_first[s] (int32 [S], a multiple of 16; zeros between sequences): k [1,Hkv,C,Dp], k_scale [1,Hkv,C],
+    v [1,Hkv,Dp,C] V̂ᵀ; per sequence: v_scale [S,Hkv,Dp], v_mean [S,Hkv,Dp] or None."""
 
     q: torch.Tensor
     q_scale: torch.Tensor
@@ -47,7 +47,7 @@ class PackedPrepared:
     v: torch.Tensor
     v_scale: torch.Tensor
     v_mean: Optional[torch.Tensor]
-    v_first: torch.Tensor
+    key_first: torch.Tensor
     scheme: Scheme
     lse_shift: Optional[torch.Tensor] = None
 
@@ -76,7 +76,9 @@ def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: b
     k_amax = packed_group_amax(k_smooth, quant.k_granularity, quant.k_block, seq_k, pos_k, cu_k)
     q8, q_delta = spec.quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = spec.quantize_symmetric(k_smooth, k_amax, levels)
-    v_t, v_scale, v_mean, v_first = packed_prepare_v(v, quant, cu_k, seq_k, pos_k)
+    key_first, slots = key_slots(cu_k, k.shape[0])
+    slot = key_first[seq_k] + pos_k
+    v_t, v_scale, v_mean = packed_prepare_v(v, quant, cu_k, seq_k, slot, slots)
     lse_shift = None
     if want_lse:
         groups = q.shape[1] // k.shape[1]
@@ -85,10 +87,16 @@ def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: b
     return PackedPrepared(
         q=_heads_first(spec._pad_last(q8, pad)),
         q_scale=(q_delta * (scale * spec.LOG2E)).t().contiguous()[None],
-        k=_heads_first(spec._pad_last(k8, pad)),
-        k_scale=k_delta.t().contiguous()[None],
-        v=v_t, v_scale=v_scale, v_mean=v_mean, v_first=v_first, scheme=quant, lse_shift=lse_shift,
+        k=_placed(spec._pad_last(k8, pad), slot, slots)[None],
+        k_scale=_placed(k_delta, slot, slots)[None],
+        v=v_t, v_scale=v_scale, v_mean=v_mean, key_first=key_first.to(torch.int32), scheme=quant, lse_shift=lse_shift,
     )
+
+
+def _placed(x: torch.Tensor, slot: torch.Tensor, slots: int) -> torch.Tensor:
+    """[T,H,...] → [H,slots,...]: token t in slot slot[t] of its head, zeros elsewhere."""
+    out = x.new_zeros((x.shape[1], slots, *x.shape[2:]))
+    return out.index_copy_(1, slot, x.transpose(0, 1))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -148,11 +156,10 @@ def packed_group_amax(x: torch.Tensor, granularity: str, block: int, seq: torch.
     return grouped.gather(0, index)
 
 
-def packed_prepare_v(v: torch.Tensor, quant: Scheme, cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
-    """``spec.prepare_v`` of each sequence: (V̂ᵀ [1,Hkv,Dp,C], δV [S,Hkv,Dp], μV [S,Hkv,Dp] or None, v_first [S] int32).
-    Sequence s's keys are columns v_first[s]... of V̂ᵀ: each sequence starts at a multiple of 16 columns (zeros between),
-    as a tensor-map copy's start in the contiguous dimension must be 16-byte aligned; C = Tk + 15·S rounded up to 16
-    bounds it without a sync. A channel with a non-finite element gets δV = NaN and V̂ = 0 in that sequence only."""
+def packed_prepare_v(v: torch.Tensor, quant: Scheme, cu: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor,
+                     slots: int):
+    """``spec.prepare_v`` of each sequence: (V̂ᵀ [1,Hkv,Dp,slots], δV [S,Hkv,Dp], μV [S,Hkv,Dp] or None), key t in column
+    slot[t] (``key_slots``). A channel with a non-finite element gets δV = NaN and V̂ = 0 in that sequence only."""
     d = v.shape[-1]
     pad = spec.padded_head_dim(d) - d
     vf = v.float()
@@ -164,12 +171,10 @@ def packed_prepare_v(v: torch.Tensor, quant: Scheme, cu: torch.Tensor, seq: torc
     finite = torch.isfinite(vf)
     magnitude = torch.where(finite, vf.abs(), torch.inf)  # +∞ marks a poisoned channel (NaN counts as +∞)
     v_delta, inv = v_scales(segment_amax(magnitude, (cu[1:] - cu[:-1]).to(torch.int64)))
-    v_first, columns = v_columns(cu, v.shape[0])
     scaled = (torch.where(finite, vf, 0.0) * inv[seq]).permute(1, 2, 0)  # [Hkv,D,Tk]
-    placed = scaled.new_zeros((v.shape[1], d + pad, columns))  # laid out before the cast (0 → 0)
-    placed[:, :d].index_copy_(-1, v_first[seq] + pos, scaled)
-    v_t = spec.quantize_pv_operand(placed, quant.pv)
-    return v_t[None], spec._pad_last(v_delta, pad, value=1.0), v_mean, v_first.to(torch.int32)
+    placed = scaled.new_zeros((v.shape[1], d + pad, slots))  # laid out before the cast (0 → 0)
+    placed[:, :d].index_copy_(-1, slot, scaled)
+    return spec.quantize_pv_operand(placed, quant.pv)[None], spec._pad_last(v_delta, pad, value=1.0), v_mean
 
 
 def v_scales(amax: torch.Tensor):
@@ -181,9 +186,10 @@ def v_scales(amax: torch.Tensor):
     return torch.where(poisoned, torch.nan, v_delta), torch.where(poisoned, 0.0, 1.0 / v_delta)
 
 
-def v_columns(cu: torch.Tensor, total: int):
-    """(v_first int64 [S], C): each sequence's first column of V̂ᵀ (a multiple of 16) and the columns to allocate,
-    Tk + 15·S rounded up to 16 — a bound known without a sync."""
+def key_slots(cu: torch.Tensor, total: int):
+    """(key_first int64 [S], C): where each sequence's keys start in K̂, δK and V̂ᵀ — a multiple of 16, as a tensor-map
+    copy of V̂ᵀ must start 16-byte aligned in its contiguous dimension (and aligned K rows and δK keep the kernel's
+    loads vectorized) — and the slots to allocate, Tk + 15·S rounded up to 16: a bound known without a sync."""
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
     spans = (lens + 15) // 16 * 16
     return torch.cumsum(spans, 0) - spans, (total + 15 * (cu.shape[0] - 1) + 15) // 16 * 16
@@ -218,12 +224,12 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
     if not quant.smooth_k:
         k_mean = torch.zeros_like(k_mean)
     q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale)
-    k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0)
+    key_first, slots = key_slots(cu_k, k.shape[0])
+    k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0, placed=(cu_k, key_first, slots))
     v_delta, inv = v_scales(kernels.segment_reduce(v, cu_k, max_seqlen_k, amax=True))
-    v_first, columns = v_columns(cu_k, v.shape[0])
-    v_t = kernels.quantize_v(v, seq_k, cu_k, v_first, inv, columns)
+    v_t = kernels.quantize_v(v, seq_k, cu_k, key_first, inv, slots)
     return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,
-                          v_first=v_first.to(torch.int32), scheme=quant, lse_shift=shift)
+                          key_first=key_first.to(torch.int32), scheme=quant, lse_shift=shift)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -249,7 +255,7 @@ def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
     else:
         p = prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, scheme, want_lse=True)
     out, lse = torch.ops.sage.quantized_attention_varlen(
-        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.v_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+        p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.key_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
         causal, q.shape[-1], q.dtype, scheme.encode())
     return out, lse + p.lse_shift[0]
 
@@ -268,7 +274,7 @@ def packed_problem(q, k, v, causal: int, config: SageConfig, grad_enabled: bool)
 @ops._define_op(tags=(torch.Tag.needs_contiguous_strides,))
 def quantized_attention_varlen(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-    v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], v_first: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], key_first: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_k: int, causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed operands of ``PackedPrepared`` → (out [Tq,Hq,head_dim], lse [Hq,Tq] over the smoothed scores). One
@@ -281,14 +287,14 @@ def quantized_attention_varlen(
     if _one_launch(args):
         from .kernels import triton as triton_kernel
 
-        triton_kernel.launch_varlen(args, cu_seqlens_q, cu_seqlens_k, v_first, max_seqlen_k, out4, lse3)
+        triton_kernel.launch_varlen(args, cu_seqlens_q, cu_seqlens_k, key_first, max_seqlen_k, out4, lse3)
     else:
-        _each_sequence(args, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), v_first.tolist(), out4, lse3)
+        _each_sequence(args, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), key_first.tolist(), out4, lse3)
     return out, lse
 
 
 @torch.library.register_fake("sage::quantized_attention_varlen")
-def _(q, q_scale, k, k_scale, v, v_scale, v_mean, v_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, head_dim,
+def _(q, q_scale, k, k_scale, v, v_scale, v_mean, key_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal, head_dim,
       out_dtype, scheme):
     return _packed_outputs(q, head_dim, out_dtype)
 
@@ -307,17 +313,21 @@ def _one_launch(args: KernelArgs) -> bool:
     return module is not None and module.supports(args.site) is None and module.accepts(args) is None
 
 
-def _each_sequence(args: KernelArgs, cu_q, cu_k, v_first, out, lse) -> None:
+def _each_sequence(args: KernelArgs, cu_q, cu_k, key_first, out, lse) -> None:
     """Sequence by sequence on views of the packed operands, through the usual dispatch (the CPU kernel here)."""
     for s in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = cu_q[s:s + 2], cu_k[s:s + 2]
-        if q1 == q0:
-            continue
-        one = KernelArgs(args.q[:, :, q0:q1], args.q_scale[:, :, q0:q1], args.k[:, :, k0:k1],
-                         args.k_scale[:, :, k0:k1], args.v[..., v_first[s]:v_first[s] + k1 - k0], args.v_scale[s:s + 1],
-                         None if args.v_mean is None else args.v_mean[s:s + 1], None, None, None, args.causal,
-                         args.head_dim, args.out_dtype, args.scheme)
-        dispatch.run(one, out[:, :, q0:q1], lse[:, :, q0:q1])
+        if q1 > q0:
+            dispatch.run(sequence_args(args, s, q0, q1, key_first[s], k1 - k0), out[:, :, q0:q1], lse[:, :, q0:q1])
+
+
+def sequence_args(args: KernelArgs, s: int, q0: int, q1: int, first: int, n_keys: int) -> KernelArgs:
+    """The batched op's arguments for sequence s alone, as views of the packed ones: queries q0:q1, keys in slots
+    first:first + n_keys."""
+    keys = slice(first, first + n_keys)
+    return KernelArgs(args.q[:, :, q0:q1], args.q_scale[:, :, q0:q1], args.k[:, :, keys], args.k_scale[:, :, keys],
+                      args.v[..., keys], args.v_scale[s:s + 1], None if args.v_mean is None else args.v_mean[s:s + 1],
+                      None, None, None, args.causal, args.head_dim, args.out_dtype, args.scheme)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -80,10 +80,11 @@ def test_packed_prep_quantizes_each_sequence_as_the_spec(scheme):
             continue
         ref = spec.prepare(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), 0.125, quant, want_lse=True)
         assert torch.equal(p.q[:, :, a:b], ref.q) and torch.equal(p.q_scale[:, :, a:b], ref.q_scale)
-        assert (p.k[:, :, a:b].int() - ref.k.int()).abs().max() <= 1
-        assert torch.allclose(p.k_scale[:, :, a:b], ref.k_scale, rtol=1e-5, atol=0)
-        first = p.v_first[s].item()
-        assert first % 16 == 0 and torch.equal(p.v[..., first:first + b - a].float(), ref.v[..., :b - a].float())
+        first = p.key_first[s].item()
+        keys = slice(first, first + b - a)
+        assert first % 16 == 0 and (p.k[:, :, keys].int() - ref.k.int()).abs().max() <= 1
+        assert torch.allclose(p.k_scale[:, :, keys], ref.k_scale, rtol=1e-5, atol=0)
+        assert torch.equal(p.v[..., keys].float(), ref.v[..., :b - a].float())
         assert torch.equal(p.v_scale[s], ref.v_scale[0])
         if quant.smooth_v:
             assert torch.allclose(p.v_mean[s], ref.v_mean[0], rtol=1e-6, atol=1e-7)
@@ -130,7 +131,7 @@ def test_the_ops_pass_opcheck_and_compile_without_graph_breaks():
         torch.library.opcheck(torch.ops.sage.attention_varlen.default, args, test_utils=utils)
     p = varlen.prepare_packed(q, k, v, _cu(lens_q), _cu(lens_k), 0.125, fp16_pv.scheme)
     torch.library.opcheck(torch.ops.sage.quantized_attention_varlen.default,
-                          (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.v_first, _cu(lens_q), _cu(lens_k),
+                          (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.key_first, _cu(lens_q), _cu(lens_k),
                            40, 0, 64, torch.bfloat16, fp16_pv.scheme.encode()))
 
     def attend(q, k, v, cu_q, cu_k):

@@ -243,7 +243,7 @@ def _attn_fwd(
     HEAD_DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     DS_MODE: tl.constexpr, PV_FP8: tl.constexpr, IMPRECISE: tl.constexpr, USE_TMA: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    CU_Q, CU_K, CU_BLK, V_FIRST, n_seq, VARLEN: tl.constexpr,
+    CU_Q, CU_K, CU_BLK, KEY_FIRST, n_seq, VARLEN: tl.constexpr,
 ):
     if CAUSAL:  # heaviest query blocks first: the light ones fill the tail of the grid
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -262,11 +262,12 @@ def _attn_fwd(
         live = seq < n_seq
         seq = tl.minimum(seq, n_seq - 1)
         q_row = tl.load(CU_Q + seq).to(tl.int64)
-        k_row = tl.load(CU_K + seq).to(tl.int64)
-        v_col0 = tl.multiple_of(tl.load(V_FIRST + seq), 16)  # a tensor-map copy starts 16-byte aligned; and Vᵀ's
-        # pointer loads stay vectorized (not declared, the offset made the D=64 causal kernel 2.5× slower on an H100)
+        # the sequence's first key slot of K̂, δK and V̂ᵀ: a multiple of 16 — a tensor-map copy of V̂ᵀ starts 16-byte
+        # aligned, and the pointer loads stay vectorized (not declared, the D=64 causal kernel ran 2.5× slower)
+        v_col0 = tl.multiple_of(tl.load(KEY_FIRST + seq), 16)
+        k_row = v_col0.to(tl.int64)
         Nq = tl.where(live, (tl.load(CU_Q + seq + 1) - q_row).to(tl.int32), 0)
-        Nk = tl.where(live, (tl.load(CU_K + seq + 1) - k_row).to(tl.int32), 0)
+        Nk = tl.where(live, (tl.load(CU_K + seq + 1) - tl.load(CU_K + seq)).to(tl.int32), 0)
         causal_offset = causal_offset * (Nk - Nq)  # the host passes 1 for bottom-right alignment, 0 for top-left
         bv64 = seq.to(tl.int64)
     else:
@@ -489,17 +490,17 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
         HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
         DS_MODE=ds_mode, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma,
         HAS_MASK=mask is not None, MASK_IS_BOOL=mask_is_bool,
-        CU_Q=dummy, CU_K=dummy, CU_BLK=dummy, V_FIRST=dummy, n_seq=0, VARLEN=False,
+        CU_Q=dummy, CU_K=dummy, CU_BLK=dummy, KEY_FIRST=dummy, n_seq=0, VARLEN=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
 
-def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, v_first: torch.Tensor, max_seqlen_k: int,
-                  out: torch.Tensor, lse: torch.Tensor) -> None:
+def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_first: torch.Tensor,
+                  max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor) -> None:
     """One launch over a packed ragged batch (``sage_compile.varlen``): ``args`` holds the packed operands as one
-    batch (q [1,Hq,Tq,Dp], k [1,Hkv,Tk,Dp], V̂ᵀ [1,Hkv,Dp,C]) but δV / μV per sequence ([S,Hkv,Dp]); sequence s is
-    queries cu_q[s]:cu_q[s+1], keys cu_k[s]:cu_k[s+1] and V̂ᵀ columns from v_first[s] (int32, a multiple of 16); causal
-    1 aligns top-left, 2 bottom-right, per sequence.
+    batch (q [1,Hq,Tq,Dp]; k [1,Hkv,C,Dp], δK [1,Hkv,C] and V̂ᵀ [1,Hkv,Dp,C] in C key slots) but δV / μV per sequence
+    ([S,Hkv,Dp]); sequence s is queries cu_q[s]:cu_q[s+1] and cu_k[s+1] − cu_k[s] keys from slot key_first[s] (int32, a
+    multiple of 16: ``sage_compile.varlen.key_slots``); causal 1 aligns top-left, 2 bottom-right, per sequence.
     out [1,Hq,Tq,D] and lse [1,Hq,Tq] are views of the packed outputs. No ΔS, attn_mask or kv_lens. The grid has a
     program per query block of every sequence (found by a binary search over ``cu_blk``), plus at most one idle program
     per sequence: its size needs no host sync."""
@@ -535,6 +536,6 @@ def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, v_fi
         int(args.v_mean is not None), 0,
         HEAD_DP=dp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=args.causal != 0,
         DS_MODE=0, PV_FP8=pv_fp8, IMPRECISE=imprecise, USE_TMA=use_tma, HAS_MASK=False, MASK_IS_BOOL=False,
-        CU_Q=cu_q, CU_K=cu_k, CU_BLK=cu_blk, V_FIRST=v_first, n_seq=n_seq, VARLEN=True,
+        CU_Q=cu_q, CU_K=cu_k, CU_BLK=cu_blk, KEY_FIRST=key_first, n_seq=n_seq, VARLEN=True,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

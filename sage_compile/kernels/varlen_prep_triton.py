@@ -57,11 +57,13 @@ def _segment_reduce_kernel(x_ptr, sxt, sxh, cu_ptr, out_ptr, H, SPLITS, COUNT,
 
 
 @triton.jit
-def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr, scale_ptr, shift_ptr, T, H, GQA,
-                            shift_scale, D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                            SHIFT: tl.constexpr, OUT_SCALE: tl.constexpr):
-    """out[h, t] = int8 x[t, h] − μ[seq(t), h] per token, scale[h, t] = δ·OUT_SCALE (prep_triton's quantize). SHIFT (Q):
-    shift[h, t] = shift_scale·x[t, h]·μK[seq(t), h // GQA], the term that turns the kernel's LSE into SDPA's."""
+def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr, scale_ptr, shift_ptr, cu_ptr,
+                            first_ptr, T, SLOTS, H, GQA, shift_scale, D: tl.constexpr, BLOCK: tl.constexpr,
+                            HAS_MEAN: tl.constexpr, SHIFT: tl.constexpr, PLACED: tl.constexpr,
+                            OUT_SCALE: tl.constexpr):
+    """out[h, t] = int8 x[t, h] − μ[seq(t), h] per token, scale[h, t] = δ·OUT_SCALE (prep_triton's quantize); PLACED (K):
+    at slot first[s] + t − cu[s] of SLOTS instead of t. SHIFT (Q): shift[h, t] = shift_scale·x[t, h]·μK[seq(t), h //
+    GQA], the term that turns the kernel's LSE into SDPA's."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
@@ -69,17 +71,21 @@ def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr,
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxt + h * sxh + cols[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
-    if HAS_MEAN or SHIFT:
+    if HAS_MEAN or SHIFT or PLACED:
         seq = tl.load(seq_ptr + rows, mask=ok, other=0).to(tl.int64)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + (seq * H + h)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
     amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)  # a NaN counts +inf: δ NaN (spec)
     delta, inv = _int8_scales(amax)
     delta = tl.where(amax < float("inf"), delta, float("nan"))
-    at = h.to(tl.int64) * T + rows
+    if PLACED:
+        at = h.to(tl.int64) * SLOTS + tl.load(first_ptr + seq, mask=ok, other=0) + rows - tl.load(cu_ptr + seq, mask=ok,
+                                                                                                   other=0)
+    else:
+        at = h.to(tl.int64) * T + rows
     tl.store(out_ptr + at[:, None] * D + cols[None, :], _quantized_int8(x, inv[:, None]), mask=ok[:, None])
     tl.store(scale_ptr + at, _mul_rn(delta, tl.full([BLOCK], OUT_SCALE, tl.float32)), mask=ok)
-    if SHIFT:
+    if SHIFT:  # (never PLACED)
         mu = tl.load(mu_ptr + (seq * (H // GQA) + h // GQA)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
         tl.store(shift_ptr + at, tl.sum(x * mu, axis=1) * shift_scale, mask=ok)
 
@@ -126,32 +132,37 @@ def segment_reduce(x: torch.Tensor, cu: torch.Tensor, longest: int, amax: bool =
     return partial.amax(dim=2) if amax else partial.sum(dim=2)
 
 
-def quantize(x: torch.Tensor, seq: torch.Tensor, mean, out_scale: float, mu_k=None, shift_scale: float = 0.0):
+def quantize(x: torch.Tensor, seq: torch.Tensor, mean, out_scale: float, mu_k=None, shift_scale: float = 0.0,
+             placed=None):
     """(int8 [1,H,T,D], δ·out_scale [1,H,T], shift [1,H,T] or None): per-token int8 of x − mean[seq] (``mean`` [S,H,D]
-    or None); with ``mu_k`` [S,Hkv,D], shift_scale·x·μK[seq] per row (Q's LSE correction)."""
+    or None); with ``mu_k`` [S,Hkv,D], shift_scale·x·μK[seq] per row (Q's LSE correction). ``placed`` = (cu, first,
+    slots): token t of sequence s in slot first[s] + t − cu[s] of ``slots`` (zeros elsewhere) instead of row t."""
     _check_packed(x)
     total, heads, d = x.shape
-    out = torch.empty((1, heads, total, d), dtype=torch.int8, device=x.device)
-    scale = torch.empty((1, heads, total), dtype=torch.float32, device=x.device)
-    shift = torch.empty_like(scale) if mu_k is not None else None
+    slots = placed[2] if placed is not None else total
+    make = torch.zeros if placed is not None else torch.empty
+    out = make((1, heads, slots, d), dtype=torch.int8, device=x.device)
+    scale = make((1, heads, slots), dtype=torch.float32, device=x.device)
+    shift = torch.empty((1, heads, total), dtype=torch.float32, device=x.device) if mu_k is not None else None
+    cu, first = placed[:2] if placed is not None else (seq, seq)
     if total:
         groups = heads // mu_k.shape[1] if mu_k is not None else 1
         _packed_quantize_kernel[(triton.cdiv(total, QUANTIZE_BLOCK), heads)](
             x, x.stride(0), x.stride(1), seq, mean if mean is not None else scale, mu_k if mu_k is not None else scale,
-            out, scale, shift if shift is not None else scale, total, heads, groups, float(shift_scale), D=d,
-            BLOCK=QUANTIZE_BLOCK, HAS_MEAN=mean is not None, SHIFT=mu_k is not None, OUT_SCALE=float(out_scale),
-            num_warps=4)
+            out, scale, shift if shift is not None else scale, cu, first, total, slots, heads, groups,
+            float(shift_scale), D=d, BLOCK=QUANTIZE_BLOCK, HAS_MEAN=mean is not None, SHIFT=mu_k is not None,
+            PLACED=placed is not None, OUT_SCALE=float(out_scale), num_warps=4)
     return out, scale, shift
 
 
-def quantize_v(v: torch.Tensor, seq: torch.Tensor, cu: torch.Tensor, v_first: torch.Tensor, inv: torch.Tensor,
+def quantize_v(v: torch.Tensor, seq: torch.Tensor, cu: torch.Tensor, first: torch.Tensor, inv: torch.Tensor,
                columns: int) -> torch.Tensor:
-    """V̂ᵀ [1,Hkv,D,columns] e4m3: sequence s's keys from column v_first[s], zeros between sequences."""
+    """V̂ᵀ [1,Hkv,D,columns] e4m3: sequence s's keys from column first[s], zeros between sequences."""
     _check_packed(v)
     total, heads, d = v.shape
     out = torch.zeros((1, heads, d, columns), dtype=torch.float8_e4m3fn, device=v.device)
     if total:
         _packed_v_quantize_kernel[(triton.cdiv(total, V_BLOCK), heads)](
-            v, v.stride(0), v.stride(1), seq, cu, v_first, inv, out, total, heads, columns, D=d, BLOCK=V_BLOCK,
+            v, v.stride(0), v.stride(1), seq, cu, first, inv, out, total, heads, columns, D=d, BLOCK=V_BLOCK,
             num_warps=8)
     return out
