@@ -4,12 +4,15 @@ sequence by sequence without padding any of them to the longest.
 * ``prepare_packed`` — the prep over the packed tokens in aten ops: every sequence is quantized exactly as
   ``spec.prepare`` quantizes it alone (μK, μV and δV per sequence, per_block / per_thread groups counted from each
   sequence's first token), so a varlen call equals one ``sage_attention`` per sequence within summation order.
-* ``sage::attention_varlen`` — CompositeImplicitAutograd: ``prepare_packed`` + ``sage::quantized_attention_varlen``
-  (opaque). On CUDA that is one launch of the Triton kernel over every (sequence, query block) pair; elsewhere the
-  kernel families run sequence by sequence on views of the packed operands.
+  An eager call on CUDA runs the same prep as Triton kernels (``prepare_packed_cuda``, kernels/varlen_prep_triton.py).
+* ``sage::attention_varlen`` — CompositeImplicitAutograd: the prep + ``sage::quantized_attention_varlen`` (opaque). On
+  CUDA that is one launch of the Triton kernel over every (sequence, query block) pair; elsewhere the kernel families
+  run sequence by sequence on views of the packed operands.
+* ``sage::document_attention`` — opaque: SDPA under a document mask as one varlen run (placed by
+  passes/document_mask.py).
 
-Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``VARLEN_SCHEME_PROBLEMS``) and inputs
-that require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
+Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``scheme_problem``) and inputs that
+require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
 """
 from __future__ import annotations
 
@@ -124,8 +127,9 @@ def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.T
 
 
 def segment_sum(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Σ over each sequence's run of rows ([T,...] → [S,...]; 0 for an empty one): a segmented reduction, not
-    atomics (an index_add of 100K rows into a few dozen made the prep 5× slower than the attention on an H100)."""
+    """Σ over each sequence's run of rows ([T,...] → [S,...]; 0 for an empty one): a segmented reduction, not atomics
+    (with index_add / scatter_reduce into a few dozen rows the aten prep took 5× the attention kernel's time on an
+    H100)."""
     return torch.segment_reduce(x, "sum", lengths=lens, axis=0, unsafe=True)
 
 

@@ -16,6 +16,10 @@ With an ``attn_mask`` ([B|1, Hq|1, Nq|1, Nk], any strides; broadcast batch/head/
 key block takes the masked path and loads its [BLOCK_M, BLOCK_N] mask tile; HAS_MASK is a constexpr, so the
 unmasked kernel compiles to the same instructions as without the feature.
 
+VARLEN (``launch_varlen``, sage_compile/varlen.py): one launch over a packed ragged batch — each program finds its
+(sequence, query block) from the sequences' first blocks, its rows from cu_seqlens_q and its keys from their aligned
+slots; the body is the same.
+
 V̂ is stored transposed ([B, Hkv, Dp, Nk_pad16]) so the PV dot gets a K-major B operand (what the FP8
 tensor-core instructions want). GQA maps query head h to key head h // (Hq // Hkv); nothing is copied.
 Launches go to the current stream, nothing is allocated and nothing syncs: CUDA-graph safe.
