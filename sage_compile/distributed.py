@@ -10,7 +10,8 @@ torch.distributed (any backend: NCCL on GPUs, gloo on CPUs).
 
 q, k, v are this rank's shards [B, H, N_local, D] (``shard_sequence`` makes them; ``gather_sequence`` undoes it). Each
 local attention is ``sage_attention`` with ``config`` (say ``SageConfig(min_seq_len=0)`` to keep short shards off
-SDPA's threshold). Inference only: no backward through the communication yet.
+SDPA's threshold). ``ulysses_attention`` is differentiable (its all-to-alls carry the gradients back, the local
+attention takes ``config.backward``); ``ring_attention`` is inference only (no backward through the ring yet).
 """
 from __future__ import annotations
 
@@ -108,9 +109,23 @@ def ulysses_attention(q, k, v, group=None, is_causal: bool = False, scale: Optio
         if t.shape[1] % world:
             raise ValueError(f"ulysses_attention: {name} has {t.shape[1]} heads, not divisible by the group's "
                              f"{world} ranks")
-    q_h, k_h, v_h = (_all_to_all(t, split_dim=1, cat_dim=-2, group=group) for t in (q, k, v))
+    q_h, k_h, v_h = (_AllToAll.apply(t, 1, -2, group) for t in (q, k, v))
     out = sage_attention(q_h, k_h, v_h, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, config=config)
-    return _all_to_all(out, split_dim=-2, cat_dim=1, group=group)
+    return _AllToAll.apply(out, -2, 1, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``_all_to_all`` with its adjoint as the backward: the same exchange with the two dims swapped."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim: int, cat_dim: int, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
 
 
 def _all_to_all(x, split_dim, cat_dim, group):

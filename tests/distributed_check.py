@@ -1,7 +1,7 @@
 """Run under torchrun (tests/test_distributed.py starts it): ring and Ulysses attention over the ranks equal
 single-process sage_attention of the whole sequence — Ulysses bit for bit (each rank runs whole heads), the ring
 within the quantization error (each K/V shard is smoothed and quantized on its own) — for plain and causal
-attention, GQA, and the ring's LSE. ``--backend nccl`` runs it on one GPU per rank."""
+attention, GQA, and the ring's LSE; Ulysses' gradients equal one process's. ``--backend nccl`` runs it on one GPU per rank."""
 import argparse
 import os
 
@@ -38,6 +38,24 @@ def check_compiled_models(rank, world, device):
         assert cosine(out, whole) > (0.999 if mode == "ring" else 0.9999), (mode, cosine(out, whole))
 
 
+def check_ulysses_gradients(q, k, v):
+    """Ulysses is differentiable: the gradients of this rank's shards equal the shards of one process's gradients
+    (backward="sdpa": SDPA's exact gradient per head, and each rank runs whole heads) — bit for bit on the CPU; on GPUs
+    to cosine 0.9999 (SDPA's CUDA backward may accumulate dQ with atomics, in any order)."""
+    config = SageConfig(min_seq_len=0, fallback="error", backward="sdpa")
+    for causal in (False, True):
+        full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        grad_out = torch.randn(full[0].shape, generator=torch.Generator().manual_seed(3)).to(q)
+        (sage_attention(*full, is_causal=causal, enable_gqa=True, config=config) * grad_out).float().sum().backward()
+        local = [shard_sequence(t.detach()).requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*local, is_causal=causal, enable_gqa=True, config=config)
+        (out * shard_sequence(grad_out)).float().sum().backward()
+        for name, mine, whole in zip("qkv", local, full):
+            expected = shard_sequence(whole.grad)
+            same = torch.equal(mine.grad, expected) if q.device.type == "cpu" else cosine(mine.grad, expected) > 0.9999
+            assert same, ("ulysses grad", name, causal, cosine(mine.grad, expected))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="gloo")
@@ -70,6 +88,7 @@ def main():
             uly = gather_sequence(ulysses_attention(*contiguous, is_causal=causal, enable_gqa=True, config=config))
             assert torch.equal(uly, whole), ("ulysses", causal, cosine(uly, whole))
         check_compiled_models(rank, world, device)
+    check_ulysses_gradients(q, k, v)
     dist.barrier()
     if rank == 0:
         print(f"distributed checks passed on {world} ranks ({opts.backend})")

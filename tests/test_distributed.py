@@ -83,7 +83,7 @@ def _free_port():
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ring_and_ulysses_over_two_processes_equal_one_process():
     """torchrun --nproc-per-node 2 tests/distributed_check.py: ring attention (plain and causal zigzag, GQA, LSE)
-    within the quantization error of one process's sage_attention, Ulysses bit for bit."""
+    within the quantization error of one process's sage_attention, Ulysses bit for bit, its gradients too."""
     script = os.path.join(os.path.dirname(__file__), "distributed_check.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
