@@ -5,8 +5,8 @@ one integer per token. As a mask that is an N×N read per call and every score c
 sage.document_attention runs the documents as one varlen call instead (sage_compile/varlen.py), never forming the mask.
 Matched here, on the nodes that make the mask:
 
-* ``eq(a, b)`` (``==``, torch.eq, Tensor.eq), a and b views of one integer tensor of N ids ([N] or [B, N]) — one
-  [.., N, 1], the other [.., 1, N] (indexing with None, unsqueeze, view / reshape);
+* ``eq(a, b)`` (``==``, torch.eq, Tensor.eq), a and b views of one integer tensor of N ids ([N] or [1, N], shared by
+  the batch) — one [.., N, 1], the other [.., 1, N] (indexing with None, unsqueeze, view / reshape);
 * optionally ``and`` (``&``, torch.logical_and, Tensor.logical_and) with a lower-triangular mask of ones (``tril`` of
   ``ones``): the causal document mask.
 
@@ -131,6 +131,8 @@ def _objection(args: dict, ids, config: SageConfig) -> Optional[str]:
         return "a document mask together with is_causal (SDPA rejects this too)"
     if q.dim() != 4 or q.shape[-2] != k.shape[-2]:
         return "a document mask over queries and keys of different lengths"
-    if ids.shape[-1] != q.shape[-2] or (ids.dim() == 2 and ids.shape[0] not in (1, q.shape[0])):
+    if ids.shape[-1] != q.shape[-2]:
         return f"document ids {tuple(ids.shape)} do not fit q {tuple(q.shape)}"
+    if ids.dim() == 2 and ids.shape[0] != 1:  # how the mask's leading dims broadcast (batch or heads) is not checked
+        return "document ids per batch row (one row of ids, shared by the batch, is taken)"
     return None

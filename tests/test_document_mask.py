@@ -99,6 +99,19 @@ def test_other_masks_stay_with_rewrite_sdpa():
     assert OP not in targets and torch.ops.sage.attention.default in targets
 
 
+def test_ids_per_batch_row_are_left_to_rewrite_sdpa():
+    """A [B, N] ids tensor makes a [B, N, N] mask, which SDPA broadcasts over heads, not batch rows: not taken."""
+    class PerRow(torch.nn.Module):
+        def forward(self, q, k, v, ids):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=ids[:, :, None] == ids[:, None, :])
+
+    q, k, v = (torch.randn(2, 2, 40, 64, dtype=torch.bfloat16) for _ in range(3))
+    ids = torch.stack([_ids(40, [20, 20]), _ids(40, [10, 30])])
+    graphs, _ = _compiled_graphs(PerRow(), q, k, v, ids)
+    targets = [n.target for gm in graphs for n in gm.graph.nodes]
+    assert OP not in targets and torch.ops.sage.attention.default in targets
+
+
 def test_inputs_that_require_grad_are_left_to_rewrite_sdpa():
     """Document attention has no backward: a site whose inputs require grad runs sage.attention with the mask."""
     model = Packed().bfloat16()
