@@ -119,7 +119,8 @@ def perplexity(model, windows: torch.Tensor, device) -> float:
     return math.exp(nll / windows.shape[0])
 
 
-def _run(name, fields, path, windows, device):
+def measure(name, fields, path, windows, device):
+    """(perplexity, sites run by sage or None) of one row of ``SCHEMES``."""
     import sage_compile
     from sage_compile import SageConfig
 
@@ -150,7 +151,7 @@ def main(argv=None):
     windows = token_windows(opts.text, opts.tokens, opts.windows, path)
     rows = []
     for name in opts.schemes.split(","):
-        value, sites = _run(name, SCHEMES[name], path, windows, device)
+        value, sites = measure(name, SCHEMES[name], path, windows, device)
         rows.append(dict(name=name, scheme=SCHEMES[name], perplexity=value, sites_replaced=sites))
         print(f"{name:20s} perplexity {value:9.4f}" + (f"  ({sites} sites on sage)" if sites is not None else ""),
               flush=True)
