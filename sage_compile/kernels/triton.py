@@ -267,7 +267,8 @@ def _attn_fwd(
         seq = tl.minimum(seq, n_seq - 1)
         q_row = tl.load(CU_Q + seq).to(tl.int64)
         # the sequence's first key slot of K̂, δK and V̂ᵀ: a multiple of 16 — a tensor-map copy of V̂ᵀ starts 16-byte
-        # aligned, and the pointer loads stay vectorized (not declared, the D=64 causal kernel ran 2.5× slower)
+        # aligned, and the pointer loads stay vectorized (not declared, V̂ᵀ's became byte loads: D=64 ran several times
+        # slower)
         v_col0 = tl.multiple_of(tl.load(KEY_FIRST + seq), 16)
         k_row = v_col0.to(tl.int64)
         Nq = tl.where(live, (tl.load(CU_Q + seq + 1) - q_row).to(tl.int32), 0)
