@@ -26,7 +26,7 @@ from sage_compile.support import AttentionCall, unsupported_reason
 from sage_compile.varlen import scheme_problem
 
 from .helpers import Node, arg_of, finish_rewrite, is_call, replace_node, value_of
-from .rewrite_sdpa import SDPA_TARGETS, normalize_sdpa_args
+from .rewrite_sdpa import sdpa_calls
 
 EQ = ({operator.eq, torch.eq, torch.Tensor.eq}, ("eq", "__eq__"))  # functions, methods (torch 2.11 traces `==` as
 AND = ({operator.and_, torch.logical_and, torch.Tensor.logical_and}, ("logical_and", "__and__"))  # a method call)
@@ -37,10 +37,7 @@ VIEW_FUNCTIONS = {torch.unsqueeze, torch.reshape}
 def rewrite_document_masks(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     seen: dict = {}
     changed = False
-    for node in list(gm.graph.nodes):
-        if not is_call(node, SDPA_TARGETS):
-            continue
-        args = normalize_sdpa_args(node)
+    for node, args in sdpa_calls(gm):
         found = document_mask(args["attn_mask"])
         if found is None:
             continue

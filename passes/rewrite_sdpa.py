@@ -34,13 +34,18 @@ def normalize_sdpa_args(node: torch.fx.Node) -> dict:
     return dict(bound.arguments)
 
 
+def sdpa_calls(gm: torch.fx.GraphModule):
+    """(node, its arguments by name) of every F.scaled_dot_product_attention call, over a snapshot of the nodes (the
+    caller may replace them)."""
+    for node in list(gm.graph.nodes):
+        if is_call(node, SDPA_TARGETS):
+            yield node, normalize_sdpa_args(node)
+
+
 def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     seen: dict = {}
     changed = False
-    for node in list(gm.graph.nodes):
-        if not is_call(node, SDPA_TARGETS):
-            continue
-        args = normalize_sdpa_args(node)
+    for node, args in sdpa_calls(gm):
         call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
         standalone = not fuses_producer(args["query"], args["key"], config)
         if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled(),

@@ -37,22 +37,13 @@ def scheme_problem(scheme: Scheme) -> Optional[str]:
 
 
 @dataclass
-class PackedPrepared:
-    """The packed quantized operands, laid out as one batch of all tokens (what the kernels index): q [1,Hq,Tq,Dp] int8,
-    q_scale [1,Hq,Tq] (includes scale·log2 e), lse_shift [1,Hq,Tq]; the keys in C slots (``key_slots``), sequence s's
+class PackedPrepared(spec.Prepared):
+    """``spec.Prepared``'s fields for a packed batch, laid out as one batch of all tokens (what the kernels index):
+    q [1,Hq,Tq,Dp] int8, q_scale [1,Hq,Tq], lse_shift [1,Hq,Tq]; the keys in C slots (``key_slots``), sequence s's
     from slot key_first[s] (int32 [S], a multiple of 16; zeros between sequences): k [1,Hkv,C,Dp], k_scale [1,Hkv,C],
-    v [1,Hkv,Dp,C] V̂ᵀ; per sequence: v_scale [S,Hkv,Dp], v_mean [S,Hkv,Dp] or None."""
+    v [1,Hkv,Dp,C] V̂ᵀ; per sequence: v_scale [S,Hkv,Dp], v_mean [S,Hkv,Dp] or None. No delta_s (``scheme_problem``)."""
 
-    q: torch.Tensor
-    q_scale: torch.Tensor
-    k: torch.Tensor
-    k_scale: torch.Tensor
-    v: torch.Tensor
-    v_scale: torch.Tensor
-    v_mean: Optional[torch.Tensor]
-    key_first: torch.Tensor
-    scheme: Scheme
-    lse_shift: Optional[torch.Tensor] = None
+    key_first: Optional[torch.Tensor] = None
 
 
 def token_sequence(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +83,8 @@ def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: b
         q_scale=(q_delta * (scale * spec.LOG2E)).t().contiguous()[None],
         k=_placed(spec._pad_last(k8, pad), slot, slots)[None],
         k_scale=_placed(k_delta, slot, slots)[None],
-        v=v_t, v_scale=v_scale, v_mean=v_mean, key_first=key_first.to(torch.int32), scheme=quant, lse_shift=lse_shift,
+        v=v_t, v_scale=v_scale, v_mean=v_mean, delta_s=None, scheme=quant, lse_shift=lse_shift,
+        key_first=key_first.to(torch.int32),
     )
 
 
@@ -128,7 +120,7 @@ def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.T
 
 def segment_sum(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Σ over each sequence's run of rows ([T,...] → [S,...]; 0 for an empty one): a segmented reduction, not atomics
-    (with index_add / scatter_reduce into a few dozen rows the aten prep took 5× the attention kernel's time on an
+    (with index_add / scatter_reduce into a few dozen rows the aten prep took longer than the attention kernel on an
     H100)."""
     return torch.segment_reduce(x, "sum", lengths=lens, axis=0, unsafe=True)
 
@@ -233,7 +225,7 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
     v_delta, inv = v_scales(kernels.segment_reduce(v, cu_k, max_seqlen_k, amax=True))
     v_t = kernels.quantize_v(v, seq_k, cu_k, key_first, inv, slots)
     return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,
-                          key_first=key_first.to(torch.int32), scheme=quant, lse_shift=shift)
+                          delta_s=None, scheme=quant, lse_shift=shift, key_first=key_first.to(torch.int32))
 
 
 # ------------------------------------------------------------------------------------------------------------------
