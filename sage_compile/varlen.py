@@ -197,8 +197,8 @@ def fused_prep_reason(q: torch.Tensor, quant: Scheme) -> Optional[str]:
 
     if not q.is_cuda or not prep.HAS_TRITON:
         return "the packed Triton prep runs on CUDA with Triton"
-    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity != "per_token":
-        return "the packed Triton prep does int8 with per-token Q and K"
+    if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity == "per_block":
+        return "the packed Triton prep does int8 with per-token Q and per-token or per_thread K"
     if quant.smooth_q or quant.smooth_v or quant.pv != "fp8":
         return "the packed Triton prep does FP8 PV without smooth_q or smooth_v"
     if q.shape[-1] not in prep.HEAD_DIMS:
@@ -221,7 +221,10 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
         k_mean = torch.zeros_like(k_mean)
     q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale)
     key_first, slots = key_slots(cu_k, k.shape[0])
-    k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0, placed=(cu_k, key_first, slots))
+    if quant.k_thread_groups:
+        k8, k_scale = kernels.quantize_k_groups(k, k_mean, cu_k, key_first, slots)
+    else:
+        k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0, placed=(cu_k, key_first, slots))
     v_delta, inv = v_scales(kernels.segment_reduce(v, cu_k, max_seqlen_k, amax=True))
     v_t = kernels.quantize_v(v, seq_k, cu_k, key_first, inv, slots)
     return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,

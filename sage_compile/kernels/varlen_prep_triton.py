@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .prep_triton import _int8_scales, _mul_rn, _quantized_int8
+from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+from .prep_triton import THREAD_GROUP_TILE, _int8_scales, _mul_rn, _quantized_int8
+from .triton import _varlen_block
 
 # A reduction program covers SPLIT_TOKENS of one sequence and head in REDUCE_BLOCK-row tiles (μK's sample: SPLIT_SAMPLES
 # in SAMPLE_BLOCK-row tiles).
@@ -91,6 +93,35 @@ def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr,
 
 
 @triton.jit
+def _packed_group_quantize_kernel(x_ptr, sxt, sxh, mean_ptr, out_ptr, scale_ptr, cu_ptr, first_ptr, cu_tile_ptr,
+                                  n_seq, SLOTS, H, D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """K with spec's per_thread groups, each sequence's groups counted from its first key: a program quantizes one
+    group — keys 128b + 16G + 4t + j (G < 8, j < 4) of the sequence, t = tile % 4, b = tile // 4 — found by a binary
+    search over cu_tile (each sequence's first tile); out/scale at slot first[s] + key, as ``PLACED``."""
+    seq, tile = _varlen_block(cu_tile_ptr, n_seq, tl.program_id(0))
+    h = tl.program_id(1)
+    live = seq < n_seq
+    seq = tl.minimum(seq, n_seq - 1).to(tl.int64)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    n = tl.where(live, (tl.load(cu_ptr + seq + 1) - start).to(tl.int32), 0)
+    i = tl.arange(0, BLOCK)
+    keys = (tile // 4) * 128 + 16 * (i // 4) + 4 * (tile % 4) + i % 4
+    ok = keys < n
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + (start + keys)[:, None] * sxt + h * sxh + cols[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x = x - tl.load(mean_ptr + (seq * H + h) * D + cols)[None, :]
+    amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)  # a NaN counts +inf: δ NaN (spec)
+    amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(ok, amax, 0.0), axis=0)  # the group's amax
+    delta, inv = _int8_scales(amax)
+    delta = tl.where(amax < float("inf"), delta, float("nan"))
+    at = h.to(tl.int64) * SLOTS + tl.load(first_ptr + seq) + keys
+    tl.store(out_ptr + at[:, None] * D + cols[None, :], _quantized_int8(x, inv[:, None]), mask=ok[:, None])
+    tl.store(scale_ptr + at, delta, mask=ok)
+
+
+@triton.jit
 def _packed_v_quantize_kernel(v_ptr, svt, svh, seq_ptr, cu_ptr, first_ptr, inv_ptr, out_ptr, T, H, C,
                               D: tl.constexpr, BLOCK: tl.constexpr):
     """V̂ᵀ[h, :, first[s] + (t − cu[s])] = e4m3(clamp(v[t, h]·(1/δV[s, h]), ±448)) (prep_triton's V quantize; the
@@ -153,6 +184,25 @@ def quantize(x: torch.Tensor, seq: torch.Tensor, mean, out_scale: float, mu_k=No
             float(shift_scale), D=d, BLOCK=QUANTIZE_BLOCK, HAS_MEAN=mean is not None, SHIFT=mu_k is not None,
             PLACED=placed is not None, OUT_SCALE=float(out_scale), num_warps=4)
     return out, scale, shift
+
+
+def quantize_k_groups(k: torch.Tensor, mean, cu: torch.Tensor, first: torch.Tensor, slots: int):
+    """(int8 [1,Hkv,slots,D], δK [1,Hkv,slots]) with spec's per_thread groups of each sequence (counted from its first
+    key), sequence s's keys from slot first[s], zeros elsewhere: ``quantize(..., placed=...)`` for per_thread K."""
+    _check_packed(k)
+    total, heads, d = k.shape
+    n_seq = cu.shape[0] - 1
+    out = torch.zeros((1, heads, slots, d), dtype=torch.int8, device=k.device)
+    scale = torch.zeros((1, heads, slots), dtype=torch.float32, device=k.device)
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    tiles = (lens + THREAD_GROUP_KEYS - 1) // THREAD_GROUP_KEYS * THREAD_GROUPS_PER_BLOCK
+    cu_tile = torch.cat([tiles.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
+    bound = (triton.cdiv(total, THREAD_GROUP_KEYS) + n_seq) * THREAD_GROUPS_PER_BLOCK  # ≥ Σ tiles, known without a sync
+    if total and n_seq:
+        _packed_group_quantize_kernel[(bound, heads)](
+            k, k.stride(0), k.stride(1), mean if mean is not None else scale, out, scale, cu, first, cu_tile, n_seq,
+            slots, heads, D=d, BLOCK=THREAD_GROUP_TILE, HAS_MEAN=mean is not None, num_warps=2)
+    return out, scale
 
 
 def quantize_v(v: torch.Tensor, seq: torch.Tensor, cu: torch.Tensor, first: torch.Tensor, inv: torch.Tensor,

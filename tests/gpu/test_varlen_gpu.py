@@ -6,7 +6,7 @@
 * Many short sequences, empty ones, int64 cu_seqlens, GQA, causal top-left and bottom-right, D 64 / 128, fp8 and fp16
   PV, smooth_v; the grid's idle programs write nothing.
 * The packed Triton prep (what an eager call runs) against the aten prep: Q̂, δQ, V̂, δV and the column layout bit-equal,
-  K̂ within one level and δK, the LSE shift within summation order (μK's sum and a row-wise dot in another order).
+  K̂ within one level and δK (per-token and per_thread groups), the LSE shift within summation order (μK's sum and a row-wise dot in another order).
 * sage_attention_varlen end to end against fp32 SDPA per sequence (the quantization error of the batched op).
 """
 import math
@@ -86,13 +86,15 @@ def test_long_and_many_sequences():
         _check_each_sequence(args, key_first, out, lse, lens_q, lens_k, f"{len(lens_q)} sequences")
 
 
-@pytest.mark.parametrize("sample,smooth_k,gqa", [(512, True, 1), (8, True, 4), (0, True, 2), (512, False, 1)])
-def test_the_fused_packed_prep_equals_the_aten_prep(sample, smooth_k, gqa):
+@pytest.mark.parametrize("sample,smooth_k,gqa,k_granularity", [
+    (512, True, 1, "per_token"), (8, True, 4, "per_token"), (0, True, 2, "per_token"), (512, False, 1, "per_token"),
+    (512, True, 1, "per_thread"), (8, True, 4, "per_thread"), (512, False, 2, "per_thread")])
+def test_the_fused_packed_prep_equals_the_aten_prep(sample, smooth_k, gqa, k_granularity):
     lens = [700, 0, 1, 2900, 64, 333]
     q, k, v = _packed(lens, 4 * gqa, 128, 5), _packed(lens, 4, 128, 6, 2.0), _packed(lens, 4, 128, 7)
     v[710, 2, 5] = float("nan")  # poisons channel 5 of head 2 in the fourth sequence only
     cu = _cu(lens)
-    quant = spec.Scheme(k_mean_sample=sample, smooth_k=smooth_k)
+    quant = spec.Scheme(k_mean_sample=sample, smooth_k=smooth_k, k_granularity=k_granularity)
     # the spec on the CPU: CUDA's aten divides by a scalar through its reciprocal, so it is not the spec's IEEE δ
     ref = varlen.prepare_packed(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), cu.cpu(), 0.1, quant, want_lse=True)
     got = varlen.prepare_packed_cuda(q, k, v, cu, cu, max(lens), 0.1, quant)
