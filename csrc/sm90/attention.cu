@@ -130,8 +130,6 @@ static const char* missing_instance(const InstanceKey& key) {
 
 const char* launch(const Params& p, int64_t stream, int ctas_per_sm) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
-  if (p.pv16 && p.k_thread_groups)
-    return "sm90 kernel: fp16 PV has no per_thread δK instantiation (its key order is not the groups')";
   Params q = p;
   fill_tensor_maps(q);
   const bool biased = q.delta_s != nullptr || q.mask != nullptr;

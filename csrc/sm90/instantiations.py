@@ -34,18 +34,18 @@ class Key(NamedTuple):  # params.h's InstanceKey, in its field order
 
 
 # What sm90.heuristics picks: e4m3 PV three CTAs per SM with per-token δK at both head dims, per_thread δK four at
-# D=64 and three at D=128; with ΔS or an attn_mask three, either δK kind; fp16 PV (per-token δK only) three at D=64
-# and two at D=128, with and without score biases.
+# D=64 and three at D=128; with ΔS or an attn_mask three, either δK kind; fp16 PV three at D=64 and two at D=128,
+# either δK kind, with and without score biases.
 SHAPES = (
     Shape(64, 3, False, False, (False,)),
     Shape(64, 4, False, False, (True,)),
     Shape(128, 3, False, False, (False, True)),
     Shape(64, 3, True, False, (False, True)),
     Shape(128, 3, True, False, (False, True)),
-    Shape(64, 3, False, True, (False,)),
-    Shape(64, 3, True, True, (False,)),
-    Shape(128, 2, False, True, (False,)),
-    Shape(128, 2, True, True, (False,)),
+    Shape(64, 3, False, True, (False, True)),
+    Shape(64, 3, True, True, (False, True)),
+    Shape(128, 2, False, True, (False, True)),
+    Shape(128, 2, True, True, (False, True)),
 )
 
 

@@ -87,11 +87,10 @@ __device__ __forceinline__ void issue_pv(float (&pv)[D / 2], const PRegs<kPV16>&
 // group (p.k_thread_groups; built with tensor maps only — elsewhere the per-key path reads the same values).
 // kPairs: the bf16 pair epilogue (pairs_aligned). kBias: ΔS and/or an attn_mask (every block on the masked path).
 // kPV16: P̂ and V̂ in fp16 (pv = fp16): K rows in natural order (KeyOrder<true>), Vᵀ as two 64-key tiles per
-// stage, eight k16 steps per block; per_thread δK is not available (its groups follow the permuted order).
+// stage, eight k16 steps per block; per_thread δK takes two values per thread and block (softmax_scores).
 // launch.cuh's InstanceKey names an instantiation; instantiations.py generates the ones built.
 template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias, bool kPV16>
 __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_constant__ Params p) {
-  static_assert(!(kPV16 && kThreadK), "per_thread δK groups follow the e4m3 kernel's permuted key order");
   using L = SmemLayout<D, pipeline_stages<D, CtasPerSm, kPV16>(), kPV16>;
   constexpr int kStages = L::kStages;
   static_assert(kStages >= 2, "no such launch shape (pipeline_stages)");

@@ -33,6 +33,20 @@ __device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, 
   for (int i = 0; i < 2; ++i) v[i] = op(v[i], v[i + 2]);
   return op(v[0], v[1]);
 }
+// The same over the row's even and odd accumulator columns i separately (i and i + 8, i + 4, i + 2 share a parity):
+// {max over even i, max over odd i} — the fp16 P operand's per_thread δK differs between them (softmax_scores).
+template <typename Op>
+__device__ __forceinline__ void tree_reduce_row_by_parity(const float (&sc)[64], int hr, Op op, float (&out)[2]) {
+  float v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = op(v[i], v[i + 8]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
+  out[0] = op(v[0], v[2]);
+  out[1] = op(v[1], v[3]);
+}
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
@@ -150,8 +164,10 @@ __device__ __forceinline__ void add_bias(const BiasRows& bias, int k0, int t, in
 
 // One key block's softmax for this thread's two rows: scores from the int32 accumulator, the running
 // max/sum, α (for the O update) and the weights P448 = 448·P̃ in `sc` (same index as the accumulator).
-// kThreadK: δK is one value per thread group (spec's per_thread: the thread's 32 keys 16G + 4t + j share
-// it), so S = x·(δQ·δK) takes one scale per row and block, and the per-score ×δK disappears.
+// kThreadK: δK is one value per thread group (spec's per_thread: keys 16G + 4t + j of a block share it), so
+// S = x·(δQ·δK) takes one scale per row and block — the permuted order's 32 keys of a thread are one group — or, in
+// natural order (fp16 P), two: the thread's keys 8i + 2t + e are in group 2(i mod 2) + t div 2, one δK for the even
+// columns i and one for the odd. Either way the per-score ×δK disappears.
 // kBias (Masked only): S = u·δQ + ΔS, then the attn_mask (add_bias), then the causal / kv_lens masks.
 template <bool Masked, bool kThreadK, bool kBias = false, typename Order = PermutedKeys>
 __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const float* ks_s, int t, int k0,
@@ -160,12 +176,17 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
                                                float (&alpha)[2], float (&sc)[64], const ScoreBias* bias = nullptr,
                                                int nk = 0, bool range_masked = true) {
   static_assert(Masked || !kBias, "a biased block takes the masked path");
-  static_assert(!(kThreadK && Order::kRunKeys != 4), "per_thread δK groups follow the permuted key order");
-  float q_scale[2] = {q_scale_in[0], q_scale_in[1]};  // the factor from u to S (base-2 units)
+  constexpr bool kTwoGroups = kThreadK && Order::kRunKeys == 2;  // natural order: δK by column parity
+  // the factor from u to S (base-2 units) of row hr at the columns of parity c
+  float q_scale[2][2] = {{q_scale_in[0], q_scale_in[0]}, {q_scale_in[1], q_scale_in[1]}};
   if constexpr (kThreadK) {
-    const float ks = ks_s[4 * t];  // key 4t is in this thread's group
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) q_scale[hr] *= ks;
+    for (int c = 0; c < 2; ++c) {
+      // key 4t is in the permuted order's group of this thread; key 8c + 4(t div 2) in the natural order's of parity c
+      const float ks = kTwoGroups ? ks_s[8 * c + 4 * (t >> 1)] : ks_s[4 * t];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) q_scale[hr][c] *= ks;
+    }
 #pragma unroll
     for (int idx = 0; idx < 64; ++idx) sc[idx] = __int2float_rn(static_cast<int>(acc[idx]));  // u = x, exact
   } else {
@@ -196,7 +217,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
   }
   if constexpr (kBias) {  // S = u·δQ, + ΔS, + attn_mask (spec order), both rows
 #pragma unroll
-    for (int idx = 0; idx < 64; ++idx) sc[idx] = __fmul_rn(sc[idx], q_scale[(idx >> 1) & 1]);
+    for (int idx = 0; idx < 64; ++idx) sc[idx] = __fmul_rn(sc[idx], q_scale[(idx >> 1) & 1][(idx >> 2) & 1]);
     add_bias<Order>(bias->delta_s, k0, t, nk, sc);
     add_bias<Order>(bias->mask, k0, t, nk, sc);
   }
@@ -220,13 +241,20 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
           const int idx = 4 * i + 2 * hr + e;
           const int key = k0 + Order::key_of_column(i, t, e);
           const bool ok = key < n_valid && (!causal || key <= row[hr] + causal_offset);
-          sc[idx] = ok ? sc[idx] * q_scale[hr] : -INFINITY;
+          sc[idx] = ok ? sc[idx] * q_scale[hr][i & 1] : -INFINITY;
         }
     }
     // Unmasked: every score finite and the scale > 0, so max_j S = scale·max_j u and S − m' is one FMA below.
     // The scale is applied before the quad's max: with kThreadK each of the four threads has its own.
-    float mx = tree_reduce_row(sc, hr, MaxOp());
-    if constexpr (!Masked) mx *= q_scale[hr];
+    float mx;
+    if constexpr (!Masked && kTwoGroups) {
+      float by_parity[2];
+      tree_reduce_row_by_parity(sc, hr, MaxOp(), by_parity);
+      mx = fmaxf(by_parity[0] * q_scale[hr][0], by_parity[1] * q_scale[hr][1]);
+    } else {
+      mx = tree_reduce_row(sc, hr, MaxOp());
+      if constexpr (!Masked) mx *= q_scale[hr][0];
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     float m_new, m_safe;
@@ -245,7 +273,7 @@ __device__ __forceinline__ void softmax_scores(const uint32_t (&acc)[64], const 
       for (int e = 0; e < 2; ++e) {
         const int idx = 4 * i + 2 * hr + e;
         if constexpr (!Masked) {
-          sc[idx] = exp2_approx(fmaf(sc[idx], q_scale[hr], kLog2_448 - m_safe));
+          sc[idx] = exp2_approx(fmaf(sc[idx], q_scale[hr][i & 1], kLog2_448 - m_safe));
         } else {
           sc[idx] = exp2_approx(sc[idx] - (m_safe - kLog2_448));
         }

@@ -2,11 +2,10 @@
 
 Same function as the spec's oracle with ``block_n = BLOCK_N`` (128), computed like the Triton kernel's FAST path.
 It runs schemes with int8 or int4 QK (int4 values are stored in int8: the same products), any Q / K granularity
-(per_thread δK through its own instantiation), K and V smoothing, ΔS (smooth_q), e4m3 or fp16 PV — fp16 with
-per-token (or per_block) δK only —, an ``attn_mask`` (bool or fp32, any strides), causal in both alignments, GQA,
-kv_lens, LSE. Sites it does not cover — fp16 PV with per_thread δK, head dims other than 64/128 after padding —
-get a reason from ``supports`` and the dispatcher moves on to the Triton kernel. Importing fails when the extension
-is not built.
+(per_thread δK through its own instantiations), K and V smoothing, ΔS (smooth_q), e4m3 or fp16 PV, an ``attn_mask``
+(bool or fp32, any strides), causal in both alignments, GQA, kv_lens, LSE. Sites it does not cover — head dims other
+than 64/128 after padding — get a reason from ``supports`` and the dispatcher moves on to the Triton kernel.
+Importing fails when the extension is not built.
 """
 from __future__ import annotations
 
@@ -75,9 +74,6 @@ def supports(site: KernelSite) -> Optional[str]:
     if scheme.pv not in PV_TYPES:
         return f"pv={scheme.pv!r}: the kernel reads {' or '.join(PV_TYPES)} V"
     pv16 = scheme.pv == "fp16"
-    if pv16 and scheme.k_thread_groups:
-        return ("pv='fp16' with per_thread δK: the fp16 P operand reads keys in natural order, not in the permuted "
-                "order the per_thread groups follow (use per_token K, or the Triton kernel)")
     if site.head_dim not in HEAD_DIMS:
         return f"padded head dim {site.head_dim} not in {HEAD_DIMS}"
     if site.dtype not in _OUT_DTYPES:

@@ -113,9 +113,11 @@ def test_biases_match_oracle(causal, data):
 @given(data=st.data())
 def test_fp16_pv_matches_oracle(causal, data):
     """pv='fp16' (kPV16: K rows in natural order, P̂ in fp16 registers, eight k16 steps over two fp16 Vᵀ tiles per
-    block; per-token δK; three CTAs per SM at D=64, two at D=128), half the draws with ΔS and/or an attn_mask."""
+    block; three CTAs per SM at D=64, two at D=128), half the draws with ΔS and/or an attn_mask; per-token δK or
+    per_thread δK (two groups per thread and block in natural key order: one δK for even, one for odd columns)."""
     case = data.draw(biased_cases(causal)) if data.draw(st.booleans()) else data.draw(cases(causal))
-    assert_matches_oracle(make_case(**dict(case, pv="fp16", k_granularity="per_token")))
+    k_granularity = data.draw(st.sampled_from(["per_token", "per_thread"]))
+    assert_matches_oracle(make_case(**dict(case, pv="fp16", k_granularity=k_granularity)))
 
 
 @pytest.mark.parametrize("causal", [0, 2])
@@ -346,6 +348,7 @@ def test_heuristics():
         ("fp8", "per_block", 64): (3, 3), ("fp8", "per_block", 128): (3, 3),
         ("fp8", "per_thread", 64): (4, 3), ("fp8", "per_thread", 128): (3, 3),
         ("fp16", "per_token", 64): (3, 3), ("fp16", "per_token", 128): (2, 2),
+        ("fp16", "per_thread", 64): (3, 3), ("fp16", "per_thread", 128): (2, 2),
     }
     for (pv, k_granularity, d), (plain, biased) in expected.items():
         assert sm90.heuristics(_site(d, pv=pv, k_granularity=k_granularity)) == plain
@@ -374,7 +377,7 @@ def test_dispatch_order_and_fallback_reasons(monkeypatch):
     for changed in (masked, smoothed):
         assert dispatch.choose(changed)[0].NAME == "sm90"
     assert dispatch.choose(make_case(1, 2, 1, 64, 64, 128, pv="fp16"))[0].NAME == "sm90"
-    assert "natural order" in sm90.supports(_site(pv="fp16", k_granularity="per_thread"))
+    assert dispatch.choose(make_case(1, 2, 1, 64, 300, 128, pv="fp16", k_granularity="per_thread"))[0].NAME == "sm90"
     assert "head dim" in sm90.supports(_site(256))
     assert "CUDA" in sm90.supports(KernelSite(spec.Scheme(), torch.device("cpu"), torch.bfloat16, 128))
 
@@ -404,6 +407,8 @@ def test_kernel_info_reports_resources():
             (True, True, False, 0 if d == 64 else 256),
             (False, False, True, 0),
             (False, True, True, 0),
+            (True, False, True, 0),
+            (True, True, True, 0),
         ):
             info = sm90.kernel_info(d, k_thread_groups=thread_k, biased=biased, pv16=pv16)
             assert info["ctas_per_sm"] == sm90.heuristics(
@@ -412,7 +417,7 @@ def test_kernel_info_reports_resources():
             assert info["local_bytes"] <= spill and info["registers"] <= budgets[info["ctas_per_sm"]], info
             assert info["threads"] >= 128, info
     with pytest.raises(ValueError):
-        sm90.kernel_info(64, k_thread_groups=True, pv16=True)  # no such instantiation
+        sm90.kernel_info(96, k_thread_groups=True)  # no such instantiation
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -427,7 +432,8 @@ def test_accuracy_vs_fp32_sdpa_per_thread_k():
 
 @pytest.mark.parametrize("causal", [0, 1])
 def test_fp16_pv_meets_issue_4_accuracy_bar(causal):
-    """pv='fp16' on the sm90 kernel: cos ≥ 0.9995 and relL1 ≤ 0.03 against fp32 SDPA on all three distributions
-    (the spec itself reaches 0.99996/0.0093, 0.99979/0.0235, 0.999998/0.0016 on the CPU)."""
+    """pv='fp16' with per-token K on the sm90 kernel: cos ≥ 0.9995 and relL1 ≤ 0.03 against fp32 SDPA on all three
+    distributions (the spec itself reaches 0.99996/0.0093, 0.99979/0.0235, 0.999998/0.0016 on the CPU). With
+    per_thread K the outlier mix misses the relL1 bar (0.031 causal): the strict setting keeps per-token K."""
     check_accuracy_vs_fp32(lambda args: run_sm90(args)[0], causal, "sm90_pv_fp16",
-                           quant=spec.Scheme(pv="fp16"), bounds=STRICT_BOUNDS)
+                           quant=spec.Scheme(pv="fp16", k_granularity="per_token"), bounds=STRICT_BOUNDS)
