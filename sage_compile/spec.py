@@ -133,9 +133,13 @@ def thread_group_max(x: torch.Tensor) -> torch.Tensor:
     THREAD_GROUP_KEYS): key 128b + 16G + 4t + j is in group (b, t)."""
     n = x.shape[-1]
     padded = torch.nn.functional.pad(x, (0, (-n) % THREAD_GROUP_KEYS), value=-math.inf)
-    groups = padded.unflatten(-1, (-1, THREAD_GROUP_KEYS // 16, THREAD_GROUPS_PER_BLOCK, 4))  # (b, G, t, j)
-    grouped = groups.amax(dim=-1, keepdim=True).amax(dim=-3, keepdim=True).expand_as(groups)
-    return grouped.flatten(-4)[..., :n]
+    runs = padded.unflatten(-1, (-1, 4)).amax(dim=-1)  # [..., keys / 4]: each run of 4 keys (j) reduced
+    # key 128b + 16G + 4t + j reads the 8 runs of its group, 32b + 4G' + t for G' < 8, by index: no tensor has the
+    # block count as a dimension (under a dynamic N its layout checks would guard "one block or several")
+    key = torch.arange(n, device=x.device)
+    first_run = key // THREAD_GROUP_KEYS * (THREAD_GROUP_KEYS // 4) + key % 16 // 4
+    members = first_run[:, None] + 4 * torch.arange(THREAD_GROUP_KEYS // 16, device=x.device)
+    return runs[..., members].amax(dim=-1)
 
 
 def check_k_thread_groups(k_scale: torch.Tensor) -> None:
