@@ -59,8 +59,8 @@ class Scheme:
 
     ``qk``: QK operand type (``QK_TYPES``). ``q_granularity`` / ``k_granularity``: scale groups —
     per_token, per_block (``q_block`` / ``k_block`` consecutive tokens) or, for K, per_thread (the sm90
-    kernel's accumulator groups, THREAD_GROUP_KEYS). ``smooth_q`` / ``smooth_k`` / ``smooth_v``: subtract the
-    token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
+    kernel's accumulator groups, THREAD_GROUP_KEYS). ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
+    subtract the token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
     the kernel, needed for int4). ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK from that many
     keys where there are more (0: all keys; any μK is exact after dequantization).
     """
@@ -123,8 +123,10 @@ class Scheme:
 
     # --- the op argument ----------------------------------------------------------------------------------
     def encode(self) -> str:
-        """The fields that differ from the defaults, ``name=value`` joined by ``;`` ('' for the default)."""
-        return encode_fields(self, _DEFAULT_FIELDS)
+        """Every field, ``name=value`` joined by ``;``: self-contained, so a graph that carries it (a compile cache
+        entry, an exported program) keeps its numerics when a later version changes a default. ``decode`` also takes
+        a subset (the rest: the defaults)."""
+        return ";".join(f"{name}={getattr(self, name)}" for name in FIELD_NAMES)
 
     @staticmethod
     def decode(text: str) -> "Scheme":
@@ -132,7 +134,6 @@ class Scheme:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(Scheme))
-_DEFAULT_FIELDS = {f.name: f.default for f in fields(Scheme)}
 
 
 @functools.lru_cache(maxsize=256)

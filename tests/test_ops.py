@@ -189,4 +189,8 @@ def test_attention_schemas_carry_the_config_as_one_argument():
                         k_mean_sample=0, fallback="error", min_seq_len=0, allow_fp32=True)
     assert SageConfig.from_op_key(config.op_key()) == config.replace(inner_backend="inductor", fuse_rope=True)
     assert spec.Scheme.decode(config.scheme.encode()) == config.scheme
-    assert SageConfig().op_key() == "" and spec.Scheme().encode() == ""
+    assert spec.Scheme.decode("") == spec.Scheme()  # a subset (here: none) takes the defaults
+    # every scheme field is spelt out, defaults too: a graph cached or exported with one version keeps its numerics
+    # when a later version changes a default (a per-token prep read as per_thread K would be silently wrong)
+    assert [item.split("=")[0] for item in spec.Scheme().encode().split(";")] == list(sage_compile.scheme.FIELD_NAMES)
+    assert SageConfig().op_key() == spec.Scheme().encode()  # the policy fields: only those that differ
