@@ -7,8 +7,8 @@ inputs; plus the prep alone against its memory floor, and accuracy on the three 
     python -m sage_compile bench e2e --producer qknorm_interleaved --n 4096,16384 --d 128 --causal 0
     python -m sage_compile bench e2e --mask key_padding --causal 0
 
-Columns: inductor; sage (fused prep, per-token K scales); sage_pt (k_granularity="per_thread"); sage_generic
-(fuse_rope=False: Inductor's own fusion of the prep); with the default producer also the prep alone (generic and
+Columns: inductor; sage (fused prep, per-token K scales); sage_pt (k_granularity="per_thread": the default numerics);
+sage_generic (fuse_rope=False: Inductor's own fusion of the prep, per-token K); with the default producer also the prep alone (generic and
 fused), the rotary alone, and the prep's memory floor.
 
 ``--producer``: what computes q and k in front of attention — ``half`` (half-split rotary, Llama/Flux; default),
@@ -250,7 +250,7 @@ def _main(argv=None):
     results = dict(**recording.environment(), static=opts.static, producer=opts.producer, mask=opts.mask, pv=opts.pv,
                    rounds=opts.rounds, copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
                    sage_kernel={}, env={"SAGE_KERNELS": os.environ.get("SAGE_KERNELS")})
-    sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv)
+    sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv, k_granularity="per_token")
     for d in (int(x) for x in opts.d.split(",")):
         # each head dim compiled as a model with that head dim would be, with no other head dim's entries to check
         torch._dynamo.reset()

@@ -6,11 +6,13 @@ cuDNN's SDPA and, where it is installed, the public SageAttention library's ``sa
 Columns (TOPS = 4·B·H·N²·D / time of the call, halved for causal; B·N = 16K tokens, H=16 at D=128, H=32 at D=64;
 q, k, v bf16 [B, H, N, D]):
 * ``cudnn`` — F.scaled_dot_product_attention with the cuDNN backend;
-* ``sage`` — ``sage_attention(..., config=SageConfig(min_seq_len=0))``: the default numerics, forced to sage;
-* ``sage_pt`` — the same with ``k_granularity="per_thread"``;
+* ``sage`` — ``sage_attention(..., config=SageConfig(min_seq_len=0, k_granularity="per_token"))``: forced to sage,
+  per-token K;
+* ``sage_pt`` — ``SageConfig(min_seq_len=0)``: the default numerics (per_thread K), forced to sage;
 * ``default`` — ``sage_attention(...)`` with the default config: sage or SDPA as the measured thresholds choose
   (the ``chose`` column says which);
-* ``compiled`` — ``torch.compile`` of a function that only calls ``sage_attention`` (min_seq_len=0): the prep as
+* ``compiled`` — ``torch.compile`` of a function that only calls ``sage_attention`` (the default numerics,
+  min_seq_len=0): the prep as
   Inductor's generic fusion of ``spec.prepare``, no producer to fuse into;
 * ``public`` — ``sageattention.sageattn(q, k, v, tensor_layout="HND")`` when the package imports.
 
@@ -45,13 +47,14 @@ def _columns(sets, causal: bool) -> dict:
 
     from sage_compile import SageConfig, sage_attention
 
-    forced, per_thread = SageConfig(min_seq_len=0), SageConfig(min_seq_len=0, k_granularity="per_thread")
+    forced, per_thread = SageConfig(min_seq_len=0, k_granularity="per_token"), SageConfig(min_seq_len=0)
 
     def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    compiled = torch.compile(lambda q, k, v: sage_attention(q, k, v, is_causal=causal, config=forced), dynamic=False)
+    compiled = torch.compile(lambda q, k, v: sage_attention(q, k, v, is_causal=causal, config=per_thread),
+                             dynamic=False)
     calls = {
         "cudnn": cudnn,
         "sage": lambda q, k, v: sage_attention(q, k, v, is_causal=causal, config=forced),
@@ -84,9 +87,9 @@ def _accuracy(sets, causal: bool) -> dict:
     q, k, v = sets[0]
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal).flatten()
-        outs = {"sage": sage_attention(q, k, v, is_causal=causal, config=SageConfig(min_seq_len=0)),
-                "sage_pt": sage_attention(q, k, v, is_causal=causal,
-                                          config=SageConfig(min_seq_len=0, k_granularity="per_thread"))}
+        outs = {"sage": sage_attention(q, k, v, is_causal=causal,
+                                       config=SageConfig(min_seq_len=0, k_granularity="per_token")),
+                "sage_pt": sage_attention(q, k, v, is_causal=causal, config=SageConfig(min_seq_len=0))}
         public = _public_sageattn()
         if public is not None:
             outs["public"] = public(q, k, v, tensor_layout="HND", is_causal=causal)

@@ -6,7 +6,8 @@ backend="sage" in one run — time per forward, output cosine vs eager bf16, att
 Models: a Wan/Flux-style DiT stack (hidden 3072, head_dim 128, QK-RMSNorm, RoPE, 32K tokens); a
 Llama-3-8B-shaped decoder prefill (hidden 4096, GQA 32/8, head_dim 128, RoPE, causal, 8K and 32K tokens);
 a ViT-L (hidden 1024, 16 heads, 197 tokens, batch 32). A few layers each (--layers): per-layer cost is
-what matters. sage runs with its default, measured thresholds. ``--rounds R`` times the three columns R times,
+what matters. sage runs with its default, measured thresholds; column "sage" with k_granularity="per_token", column
+"pt" with the default config (per_thread K). ``--rounds R`` times the three columns R times,
 interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Prints a
 table last; ``--record`` writes docs/results/models_<device>.json.
 """
@@ -107,10 +108,10 @@ def main(argv=None) -> int:
             inductor(x)
             torch._dynamo.utils.counters.clear()
             with collect_reports() as reports:
-                sage = sage_compile.compile(model)
+                sage = sage_compile.compile(model, config=sage_compile.SageConfig(k_granularity="per_token"))
                 out = sage(x)
             absorbed = torch._dynamo.utils.counters["sage"]["rope_absorbed"]  # sites whose rotary is in the prep
-            sage_pt = sage_compile.compile(model, config=sage_compile.SageConfig(k_granularity="per_thread"))
+            sage_pt = sage_compile.compile(model)  # the default config: per_thread K
             out_pt = sage_pt(x)
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     paths = recording.save("models", results, opts)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, {opts.layers} layers → "
           f"{', '.join(paths) or '(not saved: --record)'}")
-    print("pt: k_granularity='per_thread'")
+    print("sage: k_granularity='per_token'; pt: the default config (per_thread K)")
     print(f"{'model':>9} {'sites':>7} {'inductor ms':>11} {'sage ms':>8} {'x':>5} {'pt ms':>7} {'x pt':>5} {'cos':>8} "
           f"{'cos pt':>8} {'attn% ind/sage':>15}")
     for r in results["rows"]:

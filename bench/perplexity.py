@@ -27,9 +27,10 @@ from . import recording
 SCHEMES = {
     "sdpa_fp32": None,
     "sdpa_bf16": None,
-    "sage": {},
-    "sage_per_thread_k": {"k_granularity": "per_thread"},
+    "sage": {},  # the default numerics (per_thread K)
+    "sage_per_token_k": {"k_granularity": "per_token"},
     "sage_pv_fp16": {"pv": "fp16"},
+    "sage_pv_fp16_per_token_k": {"pv": "fp16", "k_granularity": "per_token"},
     "sage_smooth_v": {"smooth_v": True},
     "sage_int4_qk": {"qk": "int4", "smooth_q": True},
 }

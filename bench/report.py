@@ -63,15 +63,16 @@ def kernel_section(runs) -> list:
              "`python -m sage_compile bench kernel`: the quantized-attention kernels on prepared (already quantized) "
              "inputs against SDPA's cuDNN and flash backends, same run. TOPS = 4·B·H·N²·D / time (halved for causal), "
              "median of `triton.testing.do_bench`, B·N = 16K tokens, H=16 at D=128 and H=32 at D=64, 3 rotating input "
-             "sets. sm90 = the native Hopper kernel (default launch), per_thread K = `k_granularity=\"per_thread\"`, "
-             "fp16 PV = `pv=\"fp16\"`.", ""]
+             "sets. sm90 = the native Hopper kernel (default launch), with per-token K or `k_granularity=\"per_thread\"` "
+             "(the default numerics); fp16 PV = `pv=\"fp16\"`; Triton with per-token K.", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}", "",
-                  "| D | causal | N | sage sm90 | sm90, per_thread K | sm90, fp16 PV | sage Triton | SDPA cuDNN | SDPA flash |",
+                  "| D | causal | N | sm90, per-token K | sm90, per_thread K (default) | sm90, fp16 PV | sage Triton | SDPA cuDNN "
+                  "| SDPA flash |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
-            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | **{_f(sm90_default_tops(r))}** | "
-                         f"{_f(r.get('sm90_pt_tops'))} | {_f(r.get('sm90_pv16_tops'))} | {_f(r.get('triton_tops'))} | "
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {_f(sm90_default_tops(r))} | "
+                         f"**{_f(r.get('sm90_pt_tops'))}** | {_f(r.get('sm90_pv16_tops'))} | {_f(r.get('triton_tops'))} | "
                          f"{_f(r.get('cudnn_tops'))} | {_f(r.get('flash_tops'))} |")
         lines.append("")
     return lines
@@ -79,12 +80,13 @@ def kernel_section(runs) -> list:
 
 def _e2e_table(data) -> list:
     prep = "prep_fused_graph_ms" in data["rows"][0]
-    lines = ["| D | causal | N | inductor TOPS | sage TOPS | speed-up | speed-up, per_thread K | speed-up, generic prep |"
+    lines = ["| D | causal | N | inductor TOPS | sage TOPS (default) | speed-up (default: per_thread K) | speed-up, "
+             "per-token K | speed-up, generic prep |"
              + (" prep GPU ms (fused) | memory floor ms |" if prep else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|---|" if prep else "")]
     for r in data["rows"]:
-        lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
-                     f"**{r['speedup']:.2f}** | {r['speedup_per_thread_k']:.2f} | {r['speedup_generic_prep']:.2f} |"
+        lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_pt_tops']:.0f} | "
+                     f"**{r['speedup_per_thread_k']:.2f}** | {r['speedup']:.2f} | {r['speedup_generic_prep']:.2f} |"
                      + (f" {r['prep_fused_graph_ms']:.3f} | {r['prep_floor_ms']:.3f} |" if prep else ""))
     if data.get("accuracy"):
         lines += ["", "Accuracy vs fp32, same compiled function (B=1, H=8, N=4096):", "",
@@ -117,12 +119,13 @@ def models_section(runs) -> list:
              "so its sites stay on SDPA).", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}, {data['layers']} layers", "",
-                  "| model | tokens | sites replaced | inductor ms | sage ms | speed-up | speed-up, per_thread K | "
+                  "| model | tokens | sites replaced | inductor ms | sage ms (per-token K) | speed-up, per-token K | "
+                  "speed-up (default: per_thread K) | "
                   "cosine | attention share (inductor) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             lines.append(f"| {r['model']} | {r['batch']}×{r['tokens']} | {r['sites_replaced']}/{r['sites']} | "
-                         f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | **{r['speedup']:.2f}** | "
-                         f"{r.get('speedup_per_thread_k', float('nan')):.2f} | {r['cos_sage']:.6f} | "
+                         f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | "
+                         f"**{r.get('speedup_per_thread_k', float('nan')):.2f}** | {r['cos_sage']:.6f} | "
                          f"{100 * r['attn_share_inductor']:.0f}% |")
         lines.append("")
     return lines
@@ -148,18 +151,18 @@ def accuracy_section(runs, minilm) -> list:
                   "(tests/test_real_weights.py, tests/gpu/test_real_weights_gpu.py).", "", "| | min | mean |",
                   "|---|---|---|"]
         if slug == "cpu":
-            lines.append(f"| sage ({data['kernel']}) | {data['sage_min']:.5f} | {data['sage_mean']:.5f} |")
+            lines.append(f"| sage ({data['kernel']}), per-token K | {data['sage_min']:.5f} | {data['sage_mean']:.5f} |")
             if "sage_per_thread_k_min" in data:
-                lines.append(f"| sage, per_thread K | {data['sage_per_thread_k_min']:.5f} | "
+                lines.append(f"| sage, per_thread K (default) | {data['sage_per_thread_k_min']:.5f} | "
                              f"{data['sage_per_thread_k_mean']:.5f} |")
             lines.append(f"| bf16 SDPA | {data['bf16_min']:.5f} | {data['bf16_mean']:.5f} |")
         else:
             c = data["compiled"]
-            lines.append(f"| sage, compiled ({', '.join(c.get('kernels', []))}) | {c['sage']['min']:.5f} | "
+            lines.append(f"| sage, compiled ({', '.join(c.get('kernels', []))}), per-token K | {c['sage']['min']:.5f} | "
                          f"{c['sage']['mean']:.5f} |")
             if "compiled_k_per_thread" in data:
                 pt = data["compiled_k_per_thread"]["sage"]
-                lines.append(f"| sage, compiled, per_thread K | {pt['min']:.5f} | {pt['mean']:.5f} |")
+                lines.append(f"| sage, compiled, per_thread K (default) | {pt['min']:.5f} | {pt['mean']:.5f} |")
             if "transformers_integration_eager" in data:
                 t = data["transformers_integration_eager"]["sage"]
                 lines.append(f"| sage, transformers AttentionInterface (eager) | {t['min']:.5f} | {t['mean']:.5f} |")
@@ -211,7 +214,8 @@ def backward_section(runs) -> list:
 def eager_section(runs) -> list:
     lines = ["## Without torch.compile: `sage_attention` eager", "",
              "`python -m sage_compile bench eager`: one call, prep included, TOPS = 4·B·H·N²·D / t (halved for causal), "
-             "B·N = 16K, bf16 [B, H, N, D]. sage / sage_pt: forced to sage (min_seq_len=0), per-token / per-thread K; "
+             "B·N = 16K, bf16 [B, H, N, D]. sage / sage_pt: forced to sage (min_seq_len=0), per-token / per_thread K "
+             "(the default numerics); "
              "default: the default config (chose: what it ran); compiled: torch.compile of a lone `sage_attention` "
              "call; public: the public SageAttention library's `sageattn` (its own quantization kernels), same run.", ""]
     columns = ("cudnn", "sage", "sage_pt", "default", "compiled", "public")
@@ -327,8 +331,8 @@ def _plot_losses(curves, path) -> bool:
 
 def summary(kernel, e2e, models) -> list:
     """One line per device: the figures README.md quotes."""
-    lines = ["## Summary", "", "D=128, bf16. Kernel: non-causal, N=16K. End to end: rope → attention, N=4K, "
-             "non-causal. Models: speed-up of the whole compiled model (2 layers).", "",
+    lines = ["## Summary", "", "D=128, bf16, the default numerics (per_thread K). Kernel: non-causal, N=16K. End to end: "
+             "rope → attention, N=4K, non-causal. Models: speed-up of the whole compiled model (2 layers).", "",
              "| device | kernel TOPS: sage sm90 / cuDNN | end to end speed-up | DiT 32K | Llama 32K prefill |",
              "|---|---|---|---|---|"]
     slugs = [s for s, _ in kernel] + [s for s, _ in e2e if s not in dict(kernel)]
@@ -336,17 +340,19 @@ def summary(kernel, e2e, models) -> list:
         k, e, m = dict(kernel).get(slug), dict(e2e).get(slug), dict(models).get(slug)
         device = (k or e or m).get("info", k or e or m).get("device") if (k or e or m) else slug
         row = next((r for r in (k or {}).get("rows", []) if r["d"] == 128 and not r["causal"] and r["n"] == 16384), None)
-        cell_k = f"{_f(sm90_default_tops(row))} / {_f(row.get('cudnn_tops'))}" if row else "–"
+        cell_k = f"{_f(row.get('sm90_pt_tops', sm90_default_tops(row)))} / {_f(row.get('cudnn_tops'))}" if row else "–"
         er = next((r for r in (e or {}).get("rows", []) if r["d"] == 128 and not r["causal"] and r["n"] == 4096), None)
-        cell_e = f"{er['speedup']:.2f}× (per_thread K {er['speedup_per_thread_k']:.2f}×)" if er else "–"
+        cell_e = f"{er['speedup_per_thread_k']:.2f}× (per-token K {er['speedup']:.2f}×)" if er else "–"
         by_model = {r["model"]: r for r in (m or {}).get("rows", [])}
-        cells_m = [f"{by_model[name]['speedup']:.2f}×" if name in by_model else "–" for name in ("dit", "llama32k")]
+        cells_m = [f"{by_model[name].get('speedup_per_thread_k', by_model[name]['speedup']):.2f}×" if name in by_model
+                   else "–" for name in ("dit", "llama32k")]
         lines.append(f"| {device} | {cell_k} | {cell_e} | " + " | ".join(cells_m) + " |")
     return lines + [""]
 
 
 def _plot_kernel(runs, path) -> bool:
-    """sage sm90 and cuDNN TOPS against N at D=128, per device, non-causal and causal."""
+    """sage sm90 (the default numerics: per_thread K) and cuDNN TOPS against N at D=128, per device, non-causal and
+    causal."""
     plt = _pyplot()
     if plt is None or not runs:
         return False
@@ -355,7 +361,8 @@ def _plot_kernel(runs, path) -> bool:
         for slug, data in runs:
             rows = [r for r in data["rows"] if r["d"] == 128 and int(r["causal"]) == causal]
             name = slug.upper()
-            ax.plot([r["n"] for r in rows], [sm90_default_tops(r) for r in rows], "-o", label=f"sage sm90, {name}")
+            ax.plot([r["n"] for r in rows], [r.get("sm90_pt_tops", sm90_default_tops(r)) for r in rows], "-o",
+                    label=f"sage sm90 (default numerics), {name}")
             ax.plot([r["n"] for r in rows], [r.get("cudnn_tops") for r in rows], "--s", label=f"SDPA cuDNN, {name}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"kernel only, D=128, {'causal' if causal else 'non-causal'}")
@@ -382,8 +389,8 @@ def _plot_models(runs, path) -> bool:
             bars.append((r["speedup"], r.get("speedup_per_thread_k", float("nan"))))
     fig, ax = plt.subplots(figsize=(8, 3.6))
     xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage (per-token K, default)")
-    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage, k_granularity='per_thread'")
+    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage, k_granularity='per_token'")
+    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage (per_thread K, the default)")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("speed-up over inductor")

@@ -59,7 +59,8 @@ class Scheme:
 
     ``qk``: QK operand type (``QK_TYPES``). ``q_granularity`` / ``k_granularity``: scale groups —
     per_token, per_block (``q_block`` / ``k_block`` consecutive tokens) or, for K, per_thread (the sm90
-    kernel's accumulator groups, THREAD_GROUP_KEYS). ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
+    kernel's accumulator groups, THREAD_GROUP_KEYS; K's default: as accurate as per-token K on real weights,
+    and the faster kernel — docs/configuration.md has the table). ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
     subtract the token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
     the kernel, needed for int4). ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK from that many
     keys where there are more (0: all keys; any μK is exact after dequantization).
@@ -67,7 +68,7 @@ class Scheme:
 
     qk: str = "int8"
     q_granularity: str = "per_token"
-    k_granularity: str = "per_token"
+    k_granularity: str = "per_thread"
     q_block: int = 128
     k_block: int = 64
     smooth_q: bool = False

@@ -46,7 +46,9 @@ MEASURED_PER_THREAD_K = {
 # prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager``, B·N = 16K,
 # bf16, sage / cuDNN SDPA: D=128 non-causal eager 4K 0.92, 16K 1.13, 32K 1.14 (a lone compiled call 0.90, 1.09, 1.12);
 # causal 4K 0.85, 16K 1.11 → from 16K (8K not measured). per_thread K: non-causal 4K 1.03, 16K 1.27; causal 4K 0.92,
-# 16K 1.20. D=64: not measured with the eager prep → never.
+# 16K 1.20 (again with per_thread the default: 4K 1.09, 16K 1.24; causal 4K 0.94, 16K 1.23). D=64, per_thread K
+# (eager, one round): non-causal 4K 1.06, 16K 1.18, 32K 1.06; causal 4K 0.93, 16K 1.16, 32K 1.14 → non-causal from 4K,
+# causal from 16K (8K not measured); per-token K: 4K 0.90, 16K 1.00, 32K 1.00 → never.
 MEASURED_STANDALONE = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,
@@ -56,8 +58,8 @@ MEASURED_STANDALONE = {
 MEASURED_STANDALONE_PER_THREAD_K = {
     (9, 128, False): 4096,
     (9, 128, True): 16384,
-    (9, 64, False): NEVER,
-    (9, 64, True): NEVER,
+    (9, 64, False): 4096,
+    (9, 64, True): 16384,
 }
 MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass of its own"
 

@@ -82,7 +82,7 @@ def visible_keys(case: Case, mask, kv_lens, device="cpu") -> torch.Tensor:
 
 def predicted(case: Case, q, k, v, mask, kv_lens):
     """(nan, empty_rows, nan_lse): the rule's NaN elements, bool [B, Hq, Nq, D] — every channel of a poisoned q row
-    and of a row a poisoned k key reaches (per token, the default scheme's granularity), and channel c of every row
+    and of a row a poisoned k key reaches (per token: the granularity these tests run), and channel c of every row
     of the query heads of kv-head h where v[b, h, j, c] is non-finite for a valid key j (kv_lens); the rows that see
     no key, bool [B, Hq, Nq] (0 in their channels not NaN); and the rows whose lse is NaN (q row or reaching k key
     poisoned: v's poison leaves lse alone)."""

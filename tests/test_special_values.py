@@ -19,7 +19,7 @@ import sage_compile
 from sage_compile import SageConfig, kernels, ops, spec  # noqa: F401  (ops registers the ops)
 from sage_compile.kernels import KernelArgs, cpu
 
-CONFIG = SageConfig(min_seq_len=0, fallback="error")
+CONFIG = SageConfig(min_seq_len=0, fallback="error", k_granularity="per_token")  # the per-token rule (grouped: below)
 VALUES = ("nan", "inf", "-inf")
 
 
@@ -110,6 +110,7 @@ def test_poison_pattern_compiled(case):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     compiled = torch.compile(fn, backend="sage", options={"min_seq_len": 0, "fallback": "error",
+                                                          "k_granularity": "per_token",
                                                           "inner_backend": "aot_eager"})
     _check_all(case, compiled)
 
@@ -124,7 +125,8 @@ def test_poison_pattern_inductor(which):
     def fn(q, k, v, mask):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    compiled = torch.compile(fn, backend="sage", options={"min_seq_len": 0, "fallback": "error"})
+    compiled = torch.compile(fn, backend="sage", options={"min_seq_len": 0, "fallback": "error",
+                                                          "k_granularity": "per_token"})
     nan_rows = _check_all(case, compiled)
     assert nan_rows.any() and not nan_rows.all()
 

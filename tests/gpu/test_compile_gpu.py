@@ -37,12 +37,13 @@ def test_generated_code_runs_the_quantized_op_per_layer_and_no_sdpa():
     assert _cos(out, ref) > 0.999
 
 
-def test_prep_fuses_into_the_producers():
+@pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
+def test_prep_fuses_into_the_producers(k_granularity):
     """Q's and K's quantization each fuse with their producer (an RMS norm Inductor generates): exactly two Inductor
-    kernels round to int8, and each also computes the per-token amax and the norm — none only casts q or k. Kernels
-    are counted by launch (``.run(``): the generated code also carries the @triton.jit helpers our own kernels call
-    (_div_rn, _mul_rn, ...): 8079a47 added one (_e4m3_scale) and the old count of @triton.jit went from 12 to 13
-    with the same nine launches."""
+    kernels round to int8, and each also computes the norm — none only casts q or k; per-token, each also computes
+    its amax. per_thread K reduces its 32-key groups' amax in a kernel of its own (norm + token amax, then the group
+    max), so K's rounding kernel reads it: two launches more. Kernels are counted by launch (``.run(``): the
+    generated code also carries the @triton.jit helpers our own kernels call (_div_rn, _mul_rn, ...)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -52,16 +53,18 @@ def test_prep_fuses_into_the_producers():
         return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
 
     xq, xk, v = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    compiled = sage_compile.compile(block, config=ALWAYS, options={"force_disable_caches": True})
+    config = ALWAYS.replace(k_granularity=k_granularity)
+    compiled = sage_compile.compile(block, config=config, options={"force_disable_caches": True})
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, xq, xk, v)
     launched = re.findall(r"(\w+)\.run\(", "\n".join(codes))
-    print(f"prep + producers: {len(launched)} kernel launches: {launched}")
+    print(f"prep + producers, K {k_granularity}: {len(launched)} kernel launches: {launched}")
     rounding = [name for name in launched if "round" in name]
-    assert len(rounding) == 2 and all("amax" in name and "rms_norm" in name for name in rounding), launched
+    assert len(rounding) == 2 and all("rms_norm" in name for name in rounding), launched
+    assert sum("amax" in name for name in rounding) == (2 if k_granularity == "per_token" else 1), launched
     # our V prep (amax partials, their reduction, quantize), the norm's statistics, μK's sampled sum (gather and
-    # two reduction stages), Q's and K's quantize: 9 launches on torch 2.11
-    assert len(launched) <= 9, launched
+    # two reduction stages), Q's and K's quantize: 9 launches on torch 2.11; per_thread K 11 (K's group amax)
+    assert len(launched) <= (9 if k_granularity == "per_token" else 11), launched
     assert _cos(out, block(*(t.float() for t in (xq, xk, v)))) > 0.999
 
 

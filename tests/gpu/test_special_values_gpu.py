@@ -20,7 +20,7 @@ from sage_compile.kernels import KernelArgs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = SageConfig(min_seq_len=0, fallback="error")
+CONFIG = SageConfig(min_seq_len=0, fallback="error", k_granularity="per_token")  # the per-token rule; SCHEMES vary it
 
 
 def _families():
@@ -41,7 +41,7 @@ def _module(name):
     return module
 
 
-SCHEMES = {"per_token": {}, "per_thread": dict(k_granularity="per_thread"), "pv16": dict(pv="fp16")}
+SCHEMES = {"per_token": dict(k_granularity="per_token"), "per_thread": {}, "pv16": dict(pv="fp16", k_granularity="per_token")}
 
 
 def _run_case(family, case, scheme=None):
@@ -176,8 +176,9 @@ def test_compiled_end_to_end(family):
     os.environ["SAGE_KERNELS"] = family
     try:
         torch._dynamo.reset()
+        options = {"min_seq_len": 0, "fallback": "error", "k_granularity": "per_token"}
         fn = torch.compile(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True), backend="sage", options={"min_seq_len": 0, "fallback": "error"})
+            q, k, v, is_causal=True, enable_gqa=True), backend="sage", options=options)
         out = fn(q, k, v)
         eager = sage_compile.sage_attention(q, k, v, is_causal=True, enable_gqa=True, config=CONFIG)
     finally:
