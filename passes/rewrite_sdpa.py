@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, judge_site, site_name
+from sage_compile.sites import SiteReport, describe_site, judge_site, site_name
 from sage_compile.support import AttentionCall, causal_mode
 
 from .absorb_rope import fuses_producer
 from .helpers import finish_rewrite, is_call, replace_node, value_of
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+PLAN_KEEPS_SDPA = "the calibration plan keeps SDPA here (no rung met its target)"
 
 
 def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -47,11 +48,15 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
     changed = False
     for node, args in sdpa_calls(gm):
         call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
-        standalone = not fuses_producer(args["query"], args["key"], config)
-        if not judge_site(report, site_name(node, seen), call, config, "sdpa", torch.is_grad_enabled(),
-                          standalone=standalone):
+        name = site_name(node, seen)
+        site_config = config.for_site(name)  # a calibration plan may set this site's rung
+        if site_config is None:
+            report.add(describe_site(name, call, PLAN_KEEPS_SDPA, config, "sdpa"))
             continue
-        _replace(gm.graph, node, args, config)
+        standalone = not fuses_producer(args["query"], args["key"], site_config)
+        if not judge_site(report, name, call, site_config, "sdpa", torch.is_grad_enabled(), standalone=standalone):
+            continue
+        _replace(gm.graph, node, args, site_config)
         changed = True
     return finish_rewrite(gm, changed, dead_code=False)
 

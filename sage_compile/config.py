@@ -3,7 +3,7 @@ the compile plumbing."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_field_types, decode_fields,
@@ -13,7 +13,7 @@ FALLBACKS = ("sdpa", "error")
 BACKWARDS = ("sage", "sdpa")
 CONTEXT_PARALLEL = ("", "ring", "ulysses")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
-_PLUMBING = ("scheme", "inner_backend", "fuse_rope")  # not read by the sage.attention decomposition
+_PLUMBING = ("scheme", "inner_backend", "fuse_rope", "plan")  # not read by the sage.attention decomposition
 
 
 @dataclass(frozen=True, init=False)
@@ -33,7 +33,9 @@ class SageConfig:
     (sage_compile.distributed; "" — the default — runs each rank on its own).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
     ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep
-    (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep.
+    (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep. ``plan``: a
+    per-site precision plan (``sage_compile.calibrate``; a Plan or the path of its JSON file): each SDPA site it names
+    runs its rung — a scheme on top of this config's, or SDPA.
     """
 
     scheme: Scheme
@@ -44,10 +46,11 @@ class SageConfig:
     context_parallel: str
     inner_backend: str
     fuse_rope: bool
+    plan: Any = field(compare=False)  # a plan.Plan or None (a path is loaded)
 
     def __init__(self, scheme: Optional[Scheme] = None, *, fallback: str = "sdpa", min_seq_len: Optional[int] = None,
                  allow_fp32: bool = False, backward: str = "sdpa", context_parallel: str = "",
-                 inner_backend: str = "inductor", fuse_rope: bool = True, **scheme_fields):
+                 inner_backend: str = "inductor", fuse_rope: bool = True, plan: Any = None, **scheme_fields):
         if scheme is not None and not isinstance(scheme, Scheme):
             raise TypeError(f"SageConfig.scheme={scheme!r}: expected a sage_compile.Scheme")
         unknown = [name for name in scheme_fields if name not in SCHEME_FIELDS]
@@ -55,7 +58,8 @@ class SageConfig:
             raise TypeError(unknown_name_message("SageConfig", unknown[0], OPTION_NAMES))
         values = dict(scheme=(scheme or Scheme()).replace(**scheme_fields), fallback=fallback,
                       min_seq_len=min_seq_len, allow_fp32=allow_fp32, backward=backward,
-                      context_parallel=context_parallel, inner_backend=inner_backend, fuse_rope=fuse_rope)
+                      context_parallel=context_parallel, inner_backend=inner_backend, fuse_rope=fuse_rope,
+                      plan=_as_plan(plan))
         for name, value in values.items():
             object.__setattr__(self, name, value)
         check_field_types(self, "SageConfig")
@@ -75,6 +79,13 @@ class SageConfig:
             if name in own:
                 own[name] = changes.pop(name)
         return SageConfig(**own, **changes)
+
+    def for_site(self, name: str) -> Optional["SageConfig"]:
+        """The config the site ``name`` runs with: this one, or with its plan's rung (None: the plan says SDPA)."""
+        if self.plan is None:
+            return self
+        fields_ = self.plan.scheme_fields(name)
+        return None if fields_ is None else self.replace(**fields_) if fields_ else self
 
     # --- the op argument ---------------------------------------------------------------------------------------
     def op_key(self) -> str:
@@ -103,6 +114,17 @@ class SageConfig:
         changes = {key: options.pop(key) for key in list(options) if key in OPTION_NAMES}
         check_inductor_options(options)
         return base.replace(**changes), options
+
+
+def _as_plan(plan):
+    """None, a plan.Plan, or the path of a plan's JSON file (loaded)."""
+    from .plan import Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, str):
+        return Plan.load(plan)
+    raise TypeError(f"SageConfig.plan={plan!r}: expected a sage_compile.Plan or a plan file's path")
 
 
 def check_inductor_options(options: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ class Site:
     causal: str
     kernel: Optional[str]  # kernel chosen for the site's device when replaced
     source: str  # which pass saw it
+    rung: str = ""  # the calibration plan's rung for the site (sage_compile.calibrate), "" without one
 
 
 def describe_site(name: str, call, reason: Optional[str], config, source: str) -> Site:
@@ -40,6 +41,7 @@ def describe_site(name: str, call, reason: Optional[str], config, source: str) -
         causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
         kernel=kernel,
         source=source,
+        rung=config.plan.sites.get(name, "") if config.plan is not None else "",
     )
 
 
@@ -167,10 +169,11 @@ class SiteReport:
         return [s for s in self.sites if not s.replaced]
 
     def table(self) -> str:
-        rows = [("site", "replaced", "kernel", "shapes", "dtype", "causal", "reason")]
+        planned = any(s.rung for s in self.sites)  # a "rung" column where a calibration plan is applied
+        rows = [("site", "replaced", "kernel", *(("rung",) if planned else ()), "shapes", "dtype", "causal", "reason")]
         for s in self.sites:
-            rows.append((s.name, "yes" if s.replaced else "no", s.kernel or "-", s.shapes, s.dtype,
-                         s.causal, s.reason or "-"))
+            rows.append((s.name, "yes" if s.replaced else "no", s.kernel or "-", *((s.rung or "-",) if planned else ()),
+                         s.shapes, s.dtype, s.causal, s.reason or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
         summary = f"{len(self.replaced)} of {len(self.sites)} attention sites replaced"

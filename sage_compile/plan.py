@@ -1,0 +1,204 @@
+"""Per-site precision plans: ``calibrate`` runs a model on the user's inputs, measures every SDPA site's output
+error for each rung of the precision ladder against the site's own SDPA output, and keeps per site the fastest rung
+that meets a target. The plan is a small JSON file keyed by the sites' stable names (module path + index, the names
+``explain()`` prints); ``SageConfig(plan=...)`` applies it when the model is compiled.
+
+The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measured speeds on the H100 and H200
+(docs/results, ``bench kernel``): per_thread K (the default numerics), per-token K, per-token K with V smoothed, and
+SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
+8-bit PV misses a target SDPA is both faster and exact.
+
+Not covered yet: attention the passes find in hand-written softmax(QKᵀ)V (those sites get the config's scheme),
+a plan per call index or denoising step of a site (one plan per site: its worst call decides).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+# rung → the Scheme fields it sets on the config's scheme (None: SDPA), fastest first
+RUNGS: Dict[str, Optional[Dict[str, Any]]] = {
+    "per_thread": {"k_granularity": "per_thread", "smooth_v": False},
+    "per_token": {"k_granularity": "per_token", "smooth_v": False},
+    "per_token_smooth_v": {"k_granularity": "per_token", "smooth_v": True},
+    "sdpa": None,
+}
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a rung must meet at every call of a site, against the site's SDPA output: cosine ≥ ``cos`` and relative
+    L1 ≤ ``rel_l1``. The defaults are the bar the kernels' accuracy tests hold on random inputs (tests/gpu_cases.py)."""
+
+    cos: float = 0.999
+    rel_l1: float = 0.06
+
+    def met(self, stats: dict) -> bool:
+        return stats["cos"] >= self.cos and stats["rel_l1"] <= self.rel_l1
+
+
+@dataclass
+class Plan:
+    """site name → rung (``RUNGS``), with what was measured: per site and rung the worst cosine and relative L1 over
+    the site's calls (``None`` where sage cannot run the site), and the target."""
+
+    sites: Dict[str, str]
+    measured: Dict[str, Dict[str, Optional[dict]]] = field(default_factory=dict)
+    target: Target = field(default_factory=Target)
+
+    def scheme_fields(self, site: str) -> Optional[Dict[str, Any]]:
+        """The Scheme fields ``site``'s rung sets ({} for a site the plan does not name: the config's own), None for
+        SDPA."""
+        return RUNGS[self.sites[site]] if site in self.sites else {}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(dict(version=PLAN_VERSION, target=asdict(self.target), sites=self.sites,
+                           measured=self.measured), f, indent=1)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"{path}: a sage_compile plan of version {data.get('version')!r}, expected {PLAN_VERSION}")
+        unknown = sorted(set(data["sites"].values()) - set(RUNGS))
+        if unknown:
+            raise ValueError(f"{path}: unknown rung(s) {unknown} (rungs: {', '.join(RUNGS)})")
+        return Plan(dict(data["sites"]), data.get("measured", {}), Target(**data.get("target", {})))
+
+    def __str__(self) -> str:
+        width = max((len(name) for name in self.sites), default=4)
+        lines = [f"{'site'.ljust(width)}  rung"]
+        for name, rung in self.sites.items():
+            stats = (self.measured.get(name) or {}).get(rung)
+            detail = f"  cos {stats['cos']:.6f}  rel. L1 {stats['rel_l1']:.4f}" if stats else ""
+            lines.append(f"{name.ljust(width)}  {rung}{detail}")
+        return "\n".join(lines)
+
+
+def calibrate(model, inputs, target: Optional[Target] = None, config=None, progress: bool = True) -> Plan:
+    """Run ``model`` (eagerly, no grad) on ``inputs`` — a tuple of positional arguments, a dict of keyword arguments,
+    or an iterable of either (a loader) — and measure every SDPA site at every rung (each rung's fields on
+    ``config``'s scheme, forced to sage); returns the Plan that takes, per site, the first rung of ``RUNGS`` meeting
+    ``target`` at every call (SDPA where none does). ``plan.save(path)`` writes it; compiling with
+    ``config.replace(plan=plan)`` (or ``SageConfig(plan=path)``) applies it."""
+    from .config import SageConfig
+    from .explain import _fresh_caller, unwrap_compiled
+
+    target = target or Target()
+    base = (config or SageConfig()).replace(min_seq_len=0, fallback="error", plan=None)
+    measured: Dict[str, Dict[str, Optional[dict]]] = {}
+    batches = list(_batches(inputs))
+    tick = _progress(len(batches), progress)
+
+    def backend(gm, example_inputs):
+        from .passes.rewrite_sdpa import sdpa_calls
+        from .sites import site_name
+
+        seen: dict = {}
+        for node, args in sdpa_calls(gm):
+            node.target = _measure_site
+            node.args, node.kwargs = (site_name(node, seen),), args
+        gm.recompile()
+        return gm.forward
+
+    original, _ = unwrap_compiled(model)
+    run = torch.compile(_fresh_caller(original), backend=backend)
+    _ACTIVE.append((measured, base))
+    try:
+        with torch.no_grad():
+            for args, kwargs in batches:
+                run(*args, **kwargs)
+                tick()
+    finally:
+        _ACTIVE.pop()
+    sites = {name: next((rung for rung, stats in by_rung.items() if stats is not None and target.met(stats)), "sdpa")
+             for name, by_rung in measured.items()}
+    return Plan(sites, measured, target)
+
+
+_ACTIVE: list = []  # (measured, base config) of the calibrate() call running
+
+
+def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+    """In place of one SDPA call: the call itself (what the model goes on with) and every sage rung on the same
+    inputs, the worst cosine / relative L1 per rung kept in the running calibration's ``measured[name]``."""
+    from .api import sage_attention
+    from .sites import UnsupportedAttentionError
+
+    sdpa_args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    reference = F.scaled_dot_product_attention(query, key, value, **sdpa_args)
+    measured, base = _ACTIVE[-1]
+    site = measured.setdefault(name, {})
+    for rung, fields in RUNGS.items():
+        if fields is None:
+            site[rung] = dict(cos=1.0, rel_l1=0.0)
+            continue
+        config = base.replace(**fields)
+        try:
+            out = sage_attention(query, key, value, config=config, **sdpa_args)
+        except UnsupportedAttentionError:
+            site[rung] = None
+            continue
+        stats = _error(out, reference)
+        old = site.get(rung, stats)
+        site[rung] = None if old is None else dict(cos=min(old["cos"], stats["cos"]),
+                                                   rel_l1=max(old["rel_l1"], stats["rel_l1"]))
+    return reference
+
+
+def _error(out: torch.Tensor, reference: torch.Tensor) -> dict:
+    a, b = out.double().flatten(), reference.double().flatten()
+    finite = torch.isfinite(b)
+    a, b = a[finite], b[finite]
+    denominator = b.abs().sum().item()
+    cos = F.cosine_similarity(a, b, dim=0).item() if a.numel() else 1.0
+    return dict(cos=cos if math.isfinite(cos) else -1.0,
+                rel_l1=(a - b).abs().sum().item() / denominator if denominator else 0.0)
+
+
+def _batches(inputs) -> Iterable:
+    """(args, kwargs) per batch: a tuple/list of arguments, a dict of keyword arguments, a lone tensor, or an iterable
+    of those."""
+    if isinstance(inputs, torch.Tensor):
+        yield (inputs,), {}
+    elif isinstance(inputs, dict):
+        yield (), inputs
+    elif isinstance(inputs, (tuple, list)) and not any(isinstance(x, (tuple, list, dict)) for x in inputs):
+        yield tuple(inputs), {}
+    else:
+        for batch in inputs:
+            yield from _batches(batch)
+
+
+def _progress(total: int, enabled: bool):
+    """A callable advancing a progress bar on stderr (tqdm where installed)."""
+    if not enabled:
+        return lambda: None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        state = {"done": 0}
+
+        def tick():
+            state["done"] += 1
+            print(f"\rsage calibrate: batch {state['done']}/{total}", end="\n" if state["done"] == total else "",
+                  file=sys.stderr, flush=True)
+        return tick
+    bar = tqdm(total=total, desc="sage calibrate", unit="batch")
+
+    def advance():
+        bar.update(1)
+        if bar.n == total:
+            bar.close()
+    return advance

@@ -1,0 +1,112 @@
+"""Per-site precision plans (sage_compile/plan.py): calibrate measures every SDPA site at every rung on the user's
+inputs and keeps the fastest rung meeting the target; SageConfig(plan=...) applies it when compiling."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import cosine
+import sage_compile
+from sage_compile import Plan, SageConfig, Target, calibrate
+from sage_compile.backend import sage_backend
+from sage_compile.demo_model import DemoTransformer
+from sage_compile.plan import RUNGS
+
+
+def _model_and_input(seed=0):
+    torch.manual_seed(seed)
+    model = DemoTransformer(layers=2, dim=64, heads=4).bfloat16().eval()
+    return model, torch.randn(2, 300, 64, dtype=torch.bfloat16)
+
+
+def test_calibrate_measures_every_site_at_every_rung_under_explains_names():
+    model, x = _model_and_input()
+    plan = calibrate(model, (x,), progress=False)
+    names = [site.name for site in sage_compile.explain(model, x).sites]
+    assert list(plan.sites) == names == ["blocks.0.attn#0", "blocks.1.attn#0"]
+    for name in names:
+        assert list(plan.measured[name]) == list(RUNGS)
+        for rung, stats in plan.measured[name].items():
+            assert stats is not None and -1 <= stats["cos"] <= 1 and stats["rel_l1"] >= 0, (rung, stats)
+        assert plan.measured[name]["sdpa"] == dict(cos=1.0, rel_l1=0.0)
+        # the 8-bit rungs are close to SDPA here, but not exact
+        assert 0.999 < plan.measured[name]["per_thread"]["cos"] < 1.0
+    assert set(plan.sites.values()) == {"per_thread"}  # the default target: the fastest rung everywhere
+
+
+def test_each_site_gets_the_first_rung_meeting_the_target():
+    model, x = _model_and_input()
+    measured = calibrate(model, (x,), progress=False).measured
+    exact = calibrate(model, (x,), target=Target(cos=1.0, rel_l1=0.0), progress=False)
+    assert set(exact.sites.values()) == {"sdpa"}  # only SDPA is exact
+    # a bar between the rungs of one site: the first rung (in RUNGS order) whose worst call meets it
+    site = "blocks.1.attn#0"
+    bar = sorted(stats["rel_l1"] for rung, stats in measured[site].items() if rung != "sdpa")[0]
+    plan = calibrate(model, (x,), target=Target(cos=0.0, rel_l1=bar), progress=False)
+    expected = next(rung for rung, stats in plan.measured[site].items() if stats["rel_l1"] <= bar)
+    assert plan.sites[site] == expected and plan.measured[site][expected]["rel_l1"] <= bar
+
+
+def test_a_loader_of_batches_keeps_each_sites_worst_call():
+    model, x = _model_and_input()
+    y = torch.randn(1, 500, 64, dtype=torch.bfloat16) * 3
+    one = calibrate(model, (x,), progress=False).measured
+    both = calibrate(model, [(x,), (y,)], progress=False).measured
+    for name, by_rung in both.items():
+        for rung in ("per_thread", "per_token"):
+            assert by_rung[rung]["cos"] <= one[name][rung]["cos"]
+            assert by_rung[rung]["rel_l1"] >= one[name][rung]["rel_l1"]
+
+
+def test_a_plan_round_trips_through_its_file_and_rejects_what_it_does_not_know(tmp_path):
+    plan = Plan({"blocks.0.attn#0": "sdpa", "blocks.1.attn#0": "per_token"},
+                {"blocks.1.attn#0": {"per_token": dict(cos=0.9999, rel_l1=0.02)}}, Target(cos=0.9995, rel_l1=0.03))
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.sites == plan.sites and loaded.measured == plan.measured and loaded.target == plan.target
+    assert "per_token" in str(loaded) and "0.020" in str(loaded)
+    data = json.load(open(path))
+    for bad, message in ((dict(data, version=99), "version"), (dict(data, sites={"a#0": "fp4"}), "unknown rung")):
+        json.dump(bad, open(path, "w"))
+        with pytest.raises(ValueError, match=message):
+            Plan.load(path)
+    with pytest.raises(TypeError, match="plan"):
+        SageConfig(plan=3)
+
+
+def test_the_plan_sets_each_sites_rung_in_the_compiled_graph(tmp_path):
+    """One site kept on SDPA, the other run per-token: the graph has one SDPA and one sage.attention whose config
+    carries per-token K; explain shows each site's rung; the output stays close to the eager model."""
+    model, x = _model_and_input()
+    path = str(tmp_path / "plan.json")
+    Plan({"blocks.0.attn#0": "sdpa", "blocks.1.attn#0": "per_token"}).save(path)
+    config = SageConfig(plan=path, min_seq_len=0)
+    explanation = sage_compile.explain(model, x, config=config)
+    rungs = {site.name: (site.replaced, site.rung, site.reason) for site in explanation.sites}
+    assert rungs["blocks.0.attn#0"][:2] == (False, "sdpa") and "calibration plan" in rungs["blocks.0.attn#0"][2]
+    assert rungs["blocks.1.attn#0"] == (True, "per_token", "")
+    assert "rung" in str(explanation)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return sage_backend(gm, example_inputs, options={"sage_config": config, "inner_backend": "aot_eager"})
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        expected = model(x)
+    nodes = [n for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    sage_nodes = [n for n in nodes if n.target is torch.ops.sage.attention.default]
+    assert len(sage_nodes) == 1 and sum(n.target is F.scaled_dot_product_attention for n in nodes) == 1
+    assert "k_granularity=per_token;" in sage_nodes[0].kwargs["config"]
+    assert cosine(out, expected) > 0.999
+
+
+def test_a_site_the_plan_does_not_name_runs_the_config_as_given():
+    config = SageConfig(plan=Plan({"elsewhere#0": "sdpa"}), pv="fp16")
+    assert config.for_site("blocks.0.attn#0") is config
+    assert config.for_site("elsewhere#0") is None
+    assert SageConfig(plan=Plan({"a#0": "per_token"}), pv="fp16").for_site("a#0").scheme.pv == "fp16"
