@@ -1,4 +1,4 @@
-"""python -m sage_compile doctor | demo | bench"""
+"""python -m sage_compile doctor | demo | calibrate | bench"""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,27 @@ def demo(args) -> int:
     return 0 if replaced == args.layers else 1
 
 
+def calibrate(args) -> int:
+    """calibrate MODEL INPUTS -o plan.json: a per-site precision plan (sage_compile.calibrate) for the model a
+    ``module:function`` builds, on the inputs (or loader) another returns."""
+    import importlib
+
+    from .plan import Target, calibrate as run_calibration
+
+    def load(spec: str):
+        module, _, name = spec.partition(":")
+        if not name:
+            raise SystemExit(f"calibrate: {spec!r}: expected module:function")
+        sys.path.insert(0, os.getcwd())
+        return getattr(importlib.import_module(module), name)()
+
+    plan = run_calibration(load(args.model), load(args.inputs), Target(cos=args.cos, rel_l1=args.rel_l1))
+    plan.save(args.output)
+    print(plan)
+    print(f"plan → {args.output}; apply it with SageConfig(plan={args.output!r})")
+    return 0
+
+
 def bench(args) -> int:
     """bench <name> [options]: the benchmarks of sage_compile.bench (kernel, e2e and models need CUDA)."""
     import importlib
@@ -100,6 +121,14 @@ def bench(args) -> int:
     return module.main(args.rest) or 0
 
 
+def _target_defaults() -> dict:
+    from dataclasses import asdict
+
+    from .plan import Target
+
+    return asdict(Target())
+
+
 def main(argv=None) -> int:
     from .bench import BENCHMARKS
 
@@ -111,6 +140,12 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="compile a small transformer with backend='sage' and report")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--seq-len", type=int, default=256)
+    c = sub.add_parser("calibrate", help="a per-site precision plan for a model on your inputs (SageConfig(plan=...))")
+    c.add_argument("model", help="module:function returning the model (e.g. mymodels:build)")
+    c.add_argument("inputs", help="module:function returning its inputs: a tuple of arguments, a dict, or a loader")
+    c.add_argument("-o", "--output", default="sage_plan.json", help="the plan file to write")
+    c.add_argument("--cos", type=float, default=_target_defaults()["cos"], help="minimum cosine vs the site's SDPA")
+    c.add_argument("--rel-l1", type=float, default=_target_defaults()["rel_l1"], help="maximum relative L1")
     b = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ") and the results page",
                        description="Benchmarks; `bench <name> --help` lists each one's options, `--record` writes "
                                    "docs/results/<bench>_<device>.json.",
@@ -119,7 +154,7 @@ def main(argv=None) -> int:
     b.add_argument("which", choices=list(BENCHMARKS), metavar="{" + ",".join(BENCHMARKS) + "}", help="the benchmark")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="its options (see `bench <name> --help`)")
     args = parser.parse_args(argv)
-    return {"doctor": doctor, "demo": demo, "bench": bench}[args.command](args)
+    return {"doctor": doctor, "demo": demo, "calibrate": calibrate, "bench": bench}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,21 @@ def test_a_site_the_plan_does_not_name_runs_the_config_as_given():
     assert config.for_site("blocks.0.attn#0") is config
     assert config.for_site("elsewhere#0") is None
     assert SageConfig(plan=Plan({"a#0": "per_token"}), pv="fp16").for_site("a#0").scheme.pv == "fp16"
+
+
+def build_model():  # for the command line test: `calibrate test_plan:build_model test_plan:batches`
+    return _model_and_input()[0]
+
+
+def batches():
+    return [(_model_and_input()[1],), (torch.randn(1, 200, 64, dtype=torch.bfloat16),)]
+
+
+def test_the_command_line_writes_a_plan(tmp_path, capsys):
+    from sage_compile.__main__ import main
+
+    path = str(tmp_path / "plan.json")
+    assert main(["calibrate", "test_plan:build_model", "test_plan:batches", "-o", path, "--cos", "1.0"]) == 0
+    plan = Plan.load(path)
+    assert set(plan.sites.values()) == {"sdpa"} and plan.target == Target(cos=1.0, rel_l1=Target().rel_l1)
+    assert "blocks.1.attn#0" in capsys.readouterr().out
