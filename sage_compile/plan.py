@@ -4,8 +4,8 @@ that meets a target. The plan is a small JSON file keyed by the sites' stable na
 ``explain()`` prints); ``SageConfig(plan=...)`` applies it when the model is compiled.
 
 The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measured speeds on the H100 and H200
-(docs/results, ``bench kernel``): per_thread K (the default numerics), per-token K, per-token K with V smoothed, and
-SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
+(docs/results, ``bench kernel``): per_thread K (the default numerics), per-token K, per-token K with V smoothed (the
+same kernel plus an add in its epilogue and a mean in the prep), and SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
 8-bit PV misses a target SDPA is both faster and exact.
 
 Not covered yet: attention the passes find in hand-written softmax(QKᵀ)V (those sites get the config's scheme),
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 # rung → the Scheme fields it sets on the config's scheme (None: SDPA), fastest first
 RUNGS: Dict[str, Optional[Dict[str, Any]]] = {
-    "per_thread": {"k_granularity": "per_thread", "smooth_v": False},
-    "per_token": {"k_granularity": "per_token", "smooth_v": False},
+    "per_thread": {"k_granularity": "per_thread"},
+    "per_token": {"k_granularity": "per_token"},
     "per_token_smooth_v": {"k_granularity": "per_token", "smooth_v": True},
     "sdpa": None,
 }

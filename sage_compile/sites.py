@@ -41,7 +41,7 @@ def describe_site(name: str, call, reason: Optional[str], config, source: str) -
         causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
         kernel=kernel,
         source=source,
-        rung=config.plan.sites.get(name, "") if config.plan is not None else "",
+        rung=config.plan.sites.get(name, "") if config.plan is not None and source == "sdpa" else "",  # SDPA sites
     )
 
 
