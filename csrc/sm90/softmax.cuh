@@ -19,22 +19,9 @@ constexpr float kLog2_448 = 8.807354922057604f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Tree reductions over one row's 32 values of this thread (depth 5 instead of a 32-long dependent chain:
-// a lone warp per scheduler runs the softmax, so latency, not issue, bounds it).
-template <typename Op>
-__device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, Op op) {
-  float v[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = op(sc[4 * i + 2 * hr], sc[4 * i + 2 * hr + 1]);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = op(v[i], v[i + 8]);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) v[i] = op(v[i], v[i + 2]);
-  return op(v[0], v[1]);
-}
-// The same over the row's even and odd accumulator columns i separately (i and i + 8, i + 4, i + 2 share a parity):
-// {max over even i, max over odd i} — the fp16 P operand's per_thread δK differs between them (softmax_scores).
+// a lone warp per scheduler runs the softmax, so latency, not issue, bounds it). By parity: the row's even and odd
+// accumulator columns i reduced apart (i and i + 8, i + 4, i + 2 share a parity) — the fp16 P operand's per_thread δK
+// differs between them (softmax_scores); the whole row is the two combined, in the same order.
 template <typename Op>
 __device__ __forceinline__ void tree_reduce_row_by_parity(const float (&sc)[64], int hr, Op op, float (&out)[2]) {
   float v[16];
@@ -46,6 +33,12 @@ __device__ __forceinline__ void tree_reduce_row_by_parity(const float (&sc)[64],
   for (int i = 0; i < 4; ++i) v[i] = op(v[i], v[i + 4]);
   out[0] = op(v[0], v[2]);
   out[1] = op(v[1], v[3]);
+}
+template <typename Op>
+__device__ __forceinline__ float tree_reduce_row(const float (&sc)[64], int hr, Op op) {
+  float by_parity[2];
+  tree_reduce_row_by_parity(sc, hr, op, by_parity);
+  return op(by_parity[0], by_parity[1]);
 }
 struct MaxOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
