@@ -34,6 +34,7 @@ SCHEMES = {
     "sage_pv_fp16_per_token_k": {"pv": "fp16", "k_granularity": "per_token"},
     "sage_smooth_v": {"smooth_v": True},
     "sage_int4_qk": {"qk": "int4", "smooth_q": True},
+    "sage_int4_qk_per_token_k": {"qk": "int4", "smooth_q": True, "k_granularity": "per_token"},
     "sage_calibrated": {},  # the default config with the plan sage_compile.calibrate makes on the first window
 }
 CALIBRATED = "sage_calibrated"
