@@ -31,6 +31,7 @@ CONFIGS = (  # label → scheme fields (the rest the defaults: K per_thread)
     ("pv=fp8, μK over all keys", dict(k_mean_sample=0)),
     ("pv=fp8, smooth_v", dict(smooth_v=True)),
     ("pv=fp16", dict(pv="fp16")),
+    ("pv=fp16, K per-token", dict(pv="fp16", k_granularity="per_token")),
     ("pv=fp8, K per-token", dict(k_granularity="per_token")),
     ("pv=fp8, K per_block64", dict(k_granularity="per_block", k_block=64)),
 )
