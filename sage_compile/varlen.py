@@ -347,9 +347,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_id
     sorted_ids = torch.gather(ids, -1, order)
     starts = torch.ones_like(sorted_ids, dtype=torch.bool)
     starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]  # a document starts where the id changes, or a row does
-    first = torch.nonzero(starts.flatten()).flatten()  # the sync
-    cu = torch.cat([first, first.new_full((1,), batch * n)]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max()) if n else 0
+    first = torch.nonzero(starts.flatten().cpu()).flatten()  # the one sync: the boundaries, read on the host
+    bounds = torch.cat([first, first.new_full((1,), batch * n)])
+    longest = int((bounds[1:] - bounds[:-1]).max()) if n else 0
+    cu = bounds.to(device=q.device, dtype=torch.int32)
     tokens = (order + torch.arange(batch, device=q.device)[:, None] * n).flatten()
     packed = [t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3]).index_select(0, tokens) for t in (q, k, v)]
     causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
