@@ -85,7 +85,9 @@ class SageConfig:
         if self.plan is None:
             return self
         fields_ = self.plan.scheme_fields(name)
-        return None if fields_ is None else self.replace(**fields_) if fields_ else self
+        if fields_ is None:
+            return None
+        return self.replace(**fields_) if fields_ else self
 
     # --- the op argument ---------------------------------------------------------------------------------------
     def op_key(self) -> str:
