@@ -10,7 +10,7 @@ from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_f
                      encode_fields, unknown_name_message)
 
 FALLBACKS = ("sdpa", "error")
-BACKWARDS = ("sage", "sdpa")
+BACKWARDS = ("sdpa", "none", "sage")
 CONTEXT_PARALLEL = ("", "ring", "ulysses")
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 _PLUMBING = ("scheme", "inner_backend", "fuse_rope", "plan")  # not read by the sage.attention decomposition
@@ -26,10 +26,12 @@ class SageConfig:
     reported by explain and counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key
     lengths (None: the measured per-device thresholds of sage_compile/thresholds.py; 0: always sage);
     ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy); ``backward``:
-    how gradients are computed when attention inputs require grad — "sdpa": the exact attention gradient at
-    the same inputs (SDPA's backward; the forward stays 8-bit); "sage": the 8-bit backward (SageBwd: INT8 products,
-    dO·Vᵀ in 16-bit) from the forward's own quantized operands. ``context_parallel`` "ring" / "ulysses": every
-    site's inputs are this rank's sequence shards and attention spans the default process group
+    what a site whose q, k or v require grad runs — "sdpa" (the default): the 8-bit forward, and the exact
+    attention gradient at the same inputs (SDPA's forward recomputed, then its backward): fast for grad-mode calls
+    that never run a backward, slower than SDPA for a training step (told once); "none": SDPA, forward and
+    backward — for training at SDPA's speed; "sage": the 8-bit forward and the 8-bit backward (SageBwd: INT8
+    products, dO·Vᵀ in 16-bit) from the forward's own quantized operands. ``context_parallel`` "ring" /
+    "ulysses": every site's inputs are this rank's sequence shards and attention spans the default process group
     (sage_compile.distributed; "" — the default — runs each rank on its own).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
     ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep

@@ -30,7 +30,7 @@ from .kernels import KernelArgs
 from .kernels import backward as backward_kernels
 from .scheme import Scheme
 from .sites import UnsupportedAttentionError, remedy, warn_once
-from .support import AttentionCall, sdpa_is_faster, unsupported_reason
+from .support import AttentionCall, sdpa_is_faster, silent_choice, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
@@ -130,6 +130,12 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if _needs_grad(q, k, v):
         torch._dynamo.utils.counters["sage"]["with_backward"] += 1
         family = _backward_family(config)
+        if family == "sdpa":
+            warn_once("backward", "sdpa", "sage.attention: q, k or v require grad, so the 8-bit forward runs with "
+                      "backward='sdpa' (the default): a backward, if one runs, recomputes SDPA's forward for the "
+                      "exact gradient, which makes a training step slower than SDPA's. To train at SDPA's speed set "
+                      "SageConfig(backward='none'); for inference, torch.no_grad() or torch.inference_mode() "
+                      "records no backward.", stacklevel=4)
         scheme = backward_kernels.family(family).forward_scheme(config.scheme)
         return autograd.AttentionFunction.apply(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, scheme,
                                                 family)
@@ -290,7 +296,7 @@ def report_fallback(reason: str, config: SageConfig, choice: bool = False) -> No
     if config.fallback == "error" and not choice:
         raise UnsupportedAttentionError(f"sage.attention: {reason}. {remedy(reason)}")
     torch._dynamo.utils.counters["sage"]["sdpa_by_threshold" if choice else "fallbacks"] += 1
-    if not (choice and config.min_seq_len is not None):
+    if not (choice and silent_choice(reason, config)):
         warn_once("call", reason, f"sage.attention ran F.scaled_dot_product_attention instead: {reason}. "
                   f"{remedy(reason)}", stacklevel=4)
 
@@ -385,6 +391,29 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @torch.library.register_fake("sage::context_parallel_attention")
 def _(q, k, v, scale, is_causal, enable_gqa, config):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@_define_op()
+def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                      scale: Optional[float], causal: int, enable_gqa: bool, config: str, step_rungs: str
+                      ) -> torch.Tensor:
+    """A site calibrated per step (sage_compile/plan.py): the rung ``step_rungs`` (``Plan.step_rungs``) gives the
+    step ``plan_step`` set when it runs — SDPA, or sage.attention with that rung's fields on ``config`` — so one
+    graph serves every step. Opaque to the compiler (the prep runs as the eager fused kernels); contiguous output."""
+    from .plan import RUNGS, step_rung
+
+    rung = step_rung(step_rungs)
+    torch._dynamo.utils.counters["sage"][f"planned_{rung}"] += 1
+    if RUNGS[rung] is None:
+        return sdpa_fallback(q, k, v, attn_mask, 0.0, scale, causal, enable_gqa).contiguous()
+    rung_config = SageConfig.from_op_key(config).replace(**RUNGS[rung])
+    return torch.ops.sage.attention(q, k, v, attn_mask, 0.0, scale, causal, enable_gqa,
+                                    rung_config.op_key()).contiguous()
+
+
+@torch.library.register_fake("sage::planned_attention")
+def _(q, k, v, attn_mask, scale, causal, enable_gqa, config, step_rungs):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

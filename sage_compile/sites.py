@@ -41,8 +41,14 @@ def describe_site(name: str, call, reason: Optional[str], config, source: str) -
         causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
         kernel=kernel,
         source=source,
-        rung=config.plan.sites.get(name, "") if config.plan is not None and source == "sdpa" else "",  # SDPA sites
+        rung=_plan_rung(config.plan, name) if config.plan is not None and source == "sdpa" else "",  # SDPA sites
     )
+
+
+def _plan_rung(plan, name: str) -> str:
+    """The rung column: the site's rung, and "+ per step" where the plan picks one per step too."""
+    rung = plan.sites.get(name, "")
+    return f"{rung} + per step" if rung and plan.steps.get(name) else rung
 
 
 def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_enabled: bool,
@@ -50,7 +56,7 @@ def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_
     """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
     ``reason`` is a pass's own objection, found before the shared checks; ``standalone``: no producer will be fused
     into the site's prep (passes/absorb_rope.fuses_producer), which has its own speed thresholds."""
-    from .support import sdpa_is_faster, unsupported_reason
+    from .support import sdpa_is_faster, silent_choice, unsupported_reason
 
     reason = reason or unsupported_reason(call, config, grad_enabled)
     if source == "inductor-sdpa" and getattr(call, "nodes", None):
@@ -60,13 +66,15 @@ def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_
     if reason is not None and config.fallback == "error":
         raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}. "
                                         f"{remedy(reason)}")
-    if reason is not None or (choice is not None and config.min_seq_len is None):
+    if reason is not None or (choice is not None and not silent_choice(choice, config)):
         warn_kept_site(name, call.shapes(), reason or choice, is_choice=reason is None)
     return reason is None and choice is None
 
 
 # (what a reason starts with or contains, what the user can do about it)
 _REMEDIES = (
+    ("SDPA is faster for training", "run inference under torch.no_grad() or torch.inference_mode() to use sage; "
+                                    "SageConfig(backward='sdpa') or 'sage' differentiates through sage"),
     ("SDPA is faster", "SageConfig(min_seq_len=0) runs sage anyway"),
     ("float32", "cast the model to bf16/fp16, or set SageConfig(allow_fp32=True)"),
     ("dropout", "run in eval mode (dropout_p=0)"),

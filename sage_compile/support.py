@@ -124,12 +124,24 @@ def _check_mask(call, config, grad_enabled):
     return None
 
 
+TRAINING_CHOICE = "SDPA is faster for training"
+
+
+def silent_choice(choice: str, config: SageConfig) -> bool:
+    """Whether a speed choice is only counted, not warned: one the user made — ``min_seq_len``, or ``backward="none"``
+    for the sites that need a backward."""
+    return config.min_seq_len is not None or choice.startswith(TRAINING_CHOICE)
+
+
 def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = False) -> Optional[str]:
-    """A speed choice, not a fallback: SDPA is faster below the key-length threshold (thresholds.py, or
+    """A speed choice, not a fallback: SDPA is faster for a site that needs a backward (``backward="none"``), or
+    below the key-length threshold (thresholds.py, or
     ``config.min_seq_len``; ``standalone``: a site whose prep no producer absorbed, with its own table). A symbolic
     length is compared too: that guard recompiles at most once, when a dynamic length crosses the threshold."""
     from . import thresholds
 
+    if config.backward == "none" and torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return f"{TRAINING_CHOICE}: q, k or v require grad and SageConfig.backward='none'"
     threshold = config.min_seq_len
     mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
     if threshold is None:

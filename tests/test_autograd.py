@@ -1,5 +1,7 @@
 """The autograd slot of sage.attention: inputs that require grad run the 8-bit forward inside
 autograd.AttentionFunction, and the backward family named by SageConfig.backward gives the gradients."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import SelfAttention, attention_shapes, cosine, random_qkv
+import sage_compile
 from sage_compile import SageConfig, sage_attention, spec
 from sage_compile.kernels import backward as backward_kernels
 
@@ -98,3 +101,45 @@ def test_compiled_training_step_runs_the_8bit_forward_and_the_backward():
     # 8-bit attention error only (bf16 SDPA against fp32 is ~0.99999 here; the 8-bit forward ~0.9995)
     assert cosine(out, eager_out) > 0.999
     assert all(cosine(ours, theirs) > 0.99 for ours, theirs in zip(grads, eager_grads))
+
+
+def test_the_default_backward_says_once_that_a_training_step_recomputes_sdpa():
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=4)
+    with pytest.warns(UserWarning, match="recomputes SDPA's forward.*backward='none'"):
+        sage_attention(*_leaves(q, k, v), config=SageConfig(min_seq_len=0)).sum().backward()
+
+
+def test_backward_none_runs_training_sites_on_sdpa_and_says_so():
+    """backward="none": a site whose inputs require grad is SDPA, forward and backward — counted as a speed choice the
+    user made (not warned, like min_seq_len) — while the same call without grad runs sage."""
+    q, k, v = random_qkv(1, 4, 2, 40, 40, 64, seed=5)
+    config = SageConfig(min_seq_len=0, backward="none")
+    counters = torch._dynamo.utils.counters
+    leaves = _leaves(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sage_attention(*leaves, is_causal=True, enable_gqa=True, config=config)
+    assert counters["sage"]["sdpa_by_threshold"] == 1 and counters["sage"]["with_backward"] == 0
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    for ours, theirs in zip((t.grad for t in leaves), _sdpa_grads(q, k, v, grad_out, is_causal=True,
+                                                                  enable_gqa=True)):
+        torch.testing.assert_close(ours, theirs)
+    with torch.no_grad():
+        quantized = sage_attention(q, k, v, is_causal=True, enable_gqa=True, config=config)
+    assert counters["sage"]["sdpa_by_threshold"] == 1 and not torch.equal(quantized, out)
+
+
+def test_compiled_training_with_backward_none_keeps_the_site_on_sdpa():
+    """backend="sage" on a module trained with backward="none": the pass keeps the SDPA site and explain gives the
+    reason."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SelfAttention(128, 2).to(torch.bfloat16)
+    config = SageConfig(min_seq_len=0, backward="none", inner_backend="aot_eager")
+    x = torch.randn(2, 64, 128, dtype=torch.bfloat16)
+    sage_compile.compile(model, config=config)(x).float().sum().backward()
+    assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 0
+    report = sage_compile.explain(model, x, config=config)
+    assert len(report.sites) == 1 and not report.replaced and "SDPA is faster for training" in str(report)
