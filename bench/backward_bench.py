@@ -3,14 +3,19 @@ forward+backward speed beside SDPA's (cuDNN, flash) in the same run.
 
 Accuracy: dq, dk, dv of ``sage_attention(..., backward="sage")`` against fp32 autograd of exact attention (cosine,
 relative L1) at each --acc-n on the three input distributions (bench/distributions.py), B=1, H=8, D=128, bf16
-inputs, dO ~ N(0,1); the ``sdpa`` family's rows (8-bit forward, SDPA's exact gradient) beside it.
+inputs, dO ~ N(0,1); the ``sdpa`` family's rows (8-bit forward, SDPA's exact gradient) beside it. With
+``--activations FILE``, also on a real model's attention inputs and their real upstream gradient:
+``--capture FILE`` writes them — SmolLM2-135M (bench/perplexity.py's model and text, fp32 on the CPU) at layers
+0, 15 and 29 of one 2048-token window, q/k/v as they reach F.scaled_dot_product_attention and dO from the
+language-model loss, saved in bf16.
 Speed: one attention's forward + backward, bf16, B·N = 16K tokens, H=16 at D=128 and H=32 at D=64, median of
 ``triton.testing.do_bench``: ``kernels`` — sage.quantized_attention + sage.attention_backward on prepared operands
 (the preps excluded: under torch.compile Inductor fuses them into the producers); ``compiled`` — torch.compile of
 SDPA with backend="sage" (dynamic shapes, preps included); cuDNN and flash — F.scaled_dot_product_attention's
 forward and backward. TOPS = 3.5 · 4·B·H·N²·D / time (the backward counted as 2.5 forwards), halved for causal.
 
-    python -m sage_compile bench backward [--acc-n 1024,4096,16384] [--n 1024,4096,16384] [--record]
+    python -m sage_compile bench backward [--acc-n ...] [--n ...] [--activations FILE] [--record]
+    python -m sage_compile bench backward --capture FILE     (where the perplexity model is installed)
 """
 from __future__ import annotations
 
@@ -33,26 +38,75 @@ def _grads(fn, q, k, v, grad_out):
     return torch.autograd.grad(fn(*leaves), leaves, grad_out)
 
 
-def accuracy_rows(ns, device="cuda"):
-    from sage_compile import SageConfig, sage_attention
-
-    configs = {family: SageConfig(min_seq_len=0, backward=family, fallback="error") for family in ("sage", "sdpa")}
-    rows = []
+def _accuracy_cases(ns, activations, device):
+    """(n, dist, q, k, v, grad_out, causal, enable_gqa) in bf16: the synthetic ones, then each captured layer."""
     for n in ns:
         for dist in DISTRIBUTIONS:
             g = torch.Generator(device=device).manual_seed(n)
             q, k, v = (t.to(torch.bfloat16) for t in sample_qkv(dist, (1, 8, n, 128), g, device))
             grad_out = torch.randn(q.shape, device=device, generator=g).to(torch.bfloat16)
-            exact = _grads(lambda *t: F.scaled_dot_product_attention(*(x.float() for x in t)), q, k, v, grad_out.float())
-            for family, config in configs.items():
-                ours = _grads(lambda *t: sage_attention(*t, config=config), q, k, v, grad_out)
-                row = dict(n=n, dist=dist, backward=family)
-                for name, a, b in zip(("dq", "dk", "dv"), ours, exact):
-                    metrics = accuracy_metrics(a, b)
-                    row[f"{name}_cos"], row[f"{name}_rel_l1"] = metrics["cos"], metrics["rel_l1"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            yield n, dist, q, k, v, grad_out, False, False
+    if activations:
+        for name, t in torch.load(activations).items():
+            q, k, v, grad_out = (t[x].to(device) for x in ("q", "k", "v", "grad_out"))
+            yield q.shape[-2], name, q, k, v, grad_out, t["causal"], q.shape[1] != k.shape[1]
+
+
+def accuracy_rows(ns, activations=None, device="cuda"):
+    from sage_compile import SageConfig, sage_attention
+
+    configs = {family: SageConfig(min_seq_len=0, backward=family, fallback="error") for family in ("sage", "sdpa")}
+    rows = []
+    for n, dist, q, k, v, grad_out, causal, gqa in _accuracy_cases(ns, activations, device):
+        exact = _grads(lambda *t: F.scaled_dot_product_attention(*(x.float() for x in t), is_causal=causal,
+                                                                 enable_gqa=gqa), q, k, v, grad_out.float())
+        for family, config in configs.items():
+            ours = _grads(lambda *t: sage_attention(*t, is_causal=causal, enable_gqa=gqa, config=config), q, k, v,
+                          grad_out)
+            row = dict(n=n, dist=dist, backward=family)
+            for name, a, b in zip(("dq", "dk", "dv"), ours, exact):
+                metrics = accuracy_metrics(a, b)
+                row[f"{name}_cos"], row[f"{name}_rel_l1"] = metrics["cos"], metrics["rel_l1"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
+
+
+CAPTURED_LAYERS = (0, 15, 29)
+
+
+def capture_activations(path, tokens=2048):
+    """Write SmolLM2-135M's attention inputs and upstream gradients at CAPTURED_LAYERS (fp32 model on the CPU, one
+    window of bench/perplexity.py's default text, the language-model loss) to ``path``, in bf16."""
+    from . import perplexity
+
+    gguf = perplexity.gguf_path()
+    model = perplexity.load_model(gguf, torch.float32)
+    ids = perplexity.token_windows(perplexity.DEFAULT_TEXT, tokens, 1, gguf)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or scale not in (None, q.shape[-1] ** -0.5):
+            raise RuntimeError(f"capture: the model called SDPA with a mask or scale {scale}: not captured as such")
+        out = sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa)
+        if len(calls) in CAPTURED_LAYERS:
+            out.retain_grad()
+        calls.append(dict(q=q, k=k, v=v, out=out, causal=is_causal))
+        return out
+
+    F.scaled_dot_product_attention = recording
+    try:
+        model(ids, labels=ids).loss.backward()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    captured = {}
+    for layer in CAPTURED_LAYERS:
+        c = calls[layer]
+        captured[f"smollm2_layer{layer}"] = dict(**{x: c[x].detach().to(torch.bfloat16).contiguous()
+                                                    for x in ("q", "k", "v")},
+                                                 grad_out=c["out"].grad.to(torch.bfloat16), causal=c["causal"])
+    torch.save(captured, path)
+    return {name: tuple(t["q"].shape) for name, t in captured.items()}
 
 
 def _fwd_bwd(fn, sets, grad_out):
@@ -142,24 +196,29 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="1024,4096,8192,16384")
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--activations", help="a file --capture wrote: accuracy on a real model's attention too")
+    ap.add_argument("--capture", metavar="FILE", help="write SmolLM2-135M's attention inputs and gradients, and exit")
     recording.add_arguments(ap)
     opts = ap.parse_args(argv)
+    if opts.capture:
+        print(capture_activations(opts.capture))
+        return 0
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     from sage_compile import ops  # noqa: F401 (registers sage::*)
 
-    result = dict(**recording.environment(), accuracy=accuracy_rows(ints(opts.acc_n)),
+    result = dict(**recording.environment(), accuracy=accuracy_rows(ints(opts.acc_n), opts.activations),
                   speed=speed_rows(ints(opts.n), ints(opts.d), ints(opts.causal)),
                   timing="triton.testing.do_bench median", tops="3.5*4*B*H*N^2*D / t, halved for causal")
     paths = recording.save("backward", result, opts)
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']} → "
           f"{', '.join(paths) or '(not saved: --record)'}")
-    print(f"{'N':>6} {'dist':>12} {'bwd':>5} {'dq cos':>8} {'dk cos':>8} {'dv cos':>8} {'dq rL1':>7}")
+    print(f"{'N':>6} {'dist':>16} {'bwd':>5} {'dq cos':>8} {'dk cos':>8} {'dv cos':>8} {'dq rL1':>7}")
     for r in result["accuracy"]:
-        print(f"{r['n']:>6} {r['dist']:>12} {r['backward']:>5} {r['dq_cos']:>8.5f} {r['dk_cos']:>8.5f} "
+        print(f"{r['n']:>6} {r['dist']:>16} {r['backward']:>5} {r['dq_cos']:>8.5f} {r['dk_cos']:>8.5f} "
               f"{r['dv_cos']:>8.5f} {r['dq_rel_l1']:>7.4f}")
-    print(f"\n{'D':>4} {'N':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c in ("kernels", "compiled", "cudnn", "flash"))
-          + "   (fwd+bwd TOPS)")
+    columns = ("kernels", "compiled", "cudnn", "flash")
+    print(f"\n{'D':>4} {'N':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c in columns) + "   (fwd+bwd TOPS)")
     for r in result["speed"]:
-        cells = " ".join(f"{r.get(f'{c}_tops', float('nan')):>9.0f}" for c in ("kernels", "compiled", "cudnn", "flash"))
+        cells = " ".join(f"{r.get(f'{c}_tops', float('nan')):>9.0f}" for c in columns)
         print(f"{r['d']:>4} {r['n']:>6} {r['causal']:>6} {cells}")
     return 0

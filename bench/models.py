@@ -1,13 +1,15 @@
 """Whole models at real shapes (random init, nothing downloaded): torch.compile(backend="inductor") vs
 backend="sage" in one run — time per forward, output cosine vs eager bf16, attention's share of GPU time.
 
-    python -m sage_compile bench models [--models dit,llama8k,llama32k,vitl] [--layers 2] [--rounds 1] [--record]
+    python -m sage_compile bench models [--models NAME,...] [--layers 2] [--rounds 1] [--record]
 
-Models: a Wan/Flux-style DiT stack (hidden 3072, head_dim 128, QK-RMSNorm, RoPE, 32K tokens); a
+Models: a Wan/Flux-style DiT stack (hidden 3072, 24 heads of 128, QK-RMSNorm, RoPE) at 32K tokens (video) and at
+4608 (``dit_image``: a Flux/SD3 image at 1024², 4096 image + 512 text tokens); a
 Llama-3-8B-shaped decoder prefill (hidden 4096, GQA 32/8, head_dim 128, RoPE, causal, 8K and 32K tokens);
 a ViT-L (hidden 1024, 16 heads, 197 tokens, batch 32). A few layers each (--layers): per-layer cost is
 what matters. sage runs with its default, measured thresholds; column "sage" with k_granularity="per_token", column
-"pt" with the default config (per_thread K). ``--rounds R`` times the three columns R times,
+"pt" with the default config (per_thread K), column "plan" with the plan ``sage_compile.calibrate`` makes on the
+model's input (default target; ``calibrate_s``: how long that took). ``--rounds R`` times the columns R times,
 interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Prints a
 table last; ``--record`` writes docs/results/models_<device>.json.
 """
@@ -17,6 +19,8 @@ import argparse
 import functools
 import json
 import sys
+import time
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -62,6 +66,7 @@ class Block(nn.Module):
 def build(name, layers):
     specs = {  # dim, heads, kv_heads, mlp, causal, qk_norm, rope, batch, tokens
         "dit": (3072, 24, 24, 4 * 3072, False, True, True, 1, 32760),
+        "dit_image": (3072, 24, 24, 4 * 3072, False, True, True, 1, 4608),
         "llama8k": (4096, 32, 8, 14336, True, False, True, 1, 8192),
         "llama32k": (4096, 32, 8, 14336, True, False, True, 1, 32768),
         "vitl": (1024, 16, 16, 4096, False, False, False, 32, 197),
@@ -91,7 +96,7 @@ def attention_share(fn, x) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sage_compile bench models", description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="dit,llama8k,llama32k,vitl")
+    ap.add_argument("--models", default="dit,dit_image,llama8k,llama32k,vitl")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="time the columns this many times, interleaved; keep medians")
     recording.add_arguments(ap)
@@ -113,31 +118,41 @@ def main(argv=None) -> int:
             absorbed = torch._dynamo.utils.counters["sage"]["rope_absorbed"]  # sites whose rotary is in the prep
             sage_pt = sage_compile.compile(model)  # the default config: per_thread K
             out_pt = sage_pt(x)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            plan = sage_compile.calibrate(model, (x,), progress=False)  # on the input it is timed with
+            calibrate_s = time.perf_counter() - start
+            sage_plan = sage_compile.compile(model, config=sage_compile.SageConfig(plan=plan))
+            sage_plan(x)
             row = dict(model=name, **shape,
                        sites_replaced=sum(len(r.replaced) for r in reports),
                        sites=sum(len(r.sites) for r in reports), rope_absorbed=absorbed,
+                       calibrate_s=calibrate_s, plan=dict(Counter(plan.sites.values())),
                        **interleaved_ms({name: functools.partial(fn, x) for name, fn in
-                                         (('inductor', inductor), ('sage', sage), ('sage_pt', sage_pt))}, opts.rounds),
+                                         (('inductor', inductor), ('sage', sage), ('sage_pt', sage_pt),
+                                          ('sage_plan', sage_plan))}, opts.rounds),
                        cos_sage=F.cosine_similarity(out.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_sage_pt=F.cosine_similarity(out_pt.float().flatten(), eager.flatten(), dim=0).item(),
                        cos_inductor=F.cosine_similarity(inductor(x).float().flatten(), eager.flatten(), dim=0).item(),
                        attn_share_inductor=attention_share(inductor, x), attn_share_sage=attention_share(sage, x))
         row["speedup"] = row["inductor_ms"] / row["sage_ms"]
         row["speedup_per_thread_k"] = row["inductor_ms"] / row["sage_pt_ms"]
+        row["speedup_plan"] = row["inductor_ms"] / row["sage_plan_ms"]
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
-        del model, inductor, sage, sage_pt
+        del model, inductor, sage, sage_pt, sage_plan
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     paths = recording.save("models", results, opts)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, {opts.layers} layers → "
           f"{', '.join(paths) or '(not saved: --record)'}")
-    print("sage: k_granularity='per_token'; pt: the default config (per_thread K)")
-    print(f"{'model':>9} {'sites':>7} {'inductor ms':>11} {'sage ms':>8} {'x':>5} {'pt ms':>7} {'x pt':>5} {'cos':>8} "
-          f"{'cos pt':>8} {'attn% ind/sage':>15}")
+    print("sage: k_granularity='per_token'; pt: the default config (per_thread K); plan: calibrated (default target)")
+    print(f"{'model':>9} {'sites':>7} {'inductor ms':>11} {'sage ms':>8} {'x':>5} {'pt ms':>7} {'x pt':>5} "
+          f"{'x plan':>6} {'calib s':>7} {'cos':>8} {'cos pt':>8} {'attn% ind/sage':>15}")
     for r in results["rows"]:
         print(f"{r['model']:>9} {r['sites_replaced']}/{r['sites']:<5} {r['inductor_ms']:>11.2f} {r['sage_ms']:>8.2f} "
-              f"{r['speedup']:>5.2f} {r['sage_pt_ms']:>7.2f} {r['speedup_per_thread_k']:>5.2f} {r['cos_sage']:>8.5f} "
+              f"{r['speedup']:>5.2f} {r['sage_pt_ms']:>7.2f} {r['speedup_per_thread_k']:>5.2f} "
+              f"{r['speedup_plan']:>6.2f} {r['calibrate_s']:>7.1f} {r['cos_sage']:>8.5f} "
               f"{r['cos_sage_pt']:>8.5f} {100 * r['attn_share_inductor']:>7.0f}/{100 * r['attn_share_sage']:.0f}")
     return 0
 

@@ -114,18 +114,21 @@ def models_section(runs) -> list:
     lines = ["## Whole models", "",
              "`python -m sage_compile bench models`: a few layers of each model at real shapes (random init, bf16); "
              "`torch.compile` with `backend=\"inductor\"` vs `backend=\"sage\"` with its default thresholds; cosine of "
-             "the output vs eager bf16. dit = Wan/Flux-style DiT (hidden 3072, QK-norm, RoPE, 32K tokens); llama8k / "
-             "llama32k = Llama-3-8B-shaped prefill (GQA 32/8, causal); vitl = ViT-L (197 tokens: below the thresholds, "
-             "so its sites stay on SDPA).", ""]
+             "the output vs eager bf16. dit = Wan/Flux-style DiT (hidden 3072, 24 heads of 128, QK-norm, RoPE, 32K "
+             "tokens), dit_image = the same at 4608 tokens (a 1024² image); llama8k / llama32k = Llama-3-8B-shaped "
+             "prefill (GQA 32/8, causal); vitl = ViT-L (197 tokens: below the thresholds, so its sites stay on SDPA). "
+             "plan: compiled with the plan `sage_compile.calibrate` made on the same input (default target), "
+             "calibration time beside it.", ""]
     for _, data in runs:
-        lines += [f"### {measured(data)}, {data['layers']} layers", "",
+        lines += [f"### {measured(data)}, {data['layers']} layers, {data.get('rounds', 1)} interleaved rounds", "",
                   "| model | tokens | sites replaced | inductor ms | sage ms (per-token K) | speed-up, per-token K | "
-                  "speed-up (default: per_thread K) | "
-                  "cosine | attention share (inductor) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "speed-up (default: per_thread K) | speed-up, calibrated plan | calibration s | "
+                  "cosine | attention share (inductor) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             lines.append(f"| {r['model']} | {r['batch']}×{r['tokens']} | {r['sites_replaced']}/{r['sites']} | "
                          f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | "
-                         f"**{r.get('speedup_per_thread_k', float('nan')):.2f}** | {r['cos_sage']:.6f} | "
+                         f"**{r.get('speedup_per_thread_k', float('nan')):.2f}** | {_f(r.get('speedup_plan'), '.2f')} | "
+                         f"{_f(r.get('calibrate_s'), '.1f')} | {r['cos_sage']:.6f} | "
                          f"{100 * r['attn_share_inductor']:.0f}% |")
         lines.append("")
     return lines
@@ -195,12 +198,15 @@ def perplexity_section(runs) -> list:
 
 
 def backward_section(runs) -> list:
-    lines = ["## Training: the 8-bit backward", "",
-             "`python -m sage_compile bench backward`: `SageConfig(backward=\"sage\")` — gradients against fp32 "
-             "autograd of exact attention (B=1, H=8, D=128, bf16 inputs; the `sdpa` rows: the 8-bit forward with bf16 "
-             "SDPA's own gradient), and one attention's forward + backward speed, TOPS = 3.5·4·B·H·N²·D / t (halved "
-             "for causal), B·N = 16K. kernels: the two sage kernels on prepared operands; compiled: torch.compile with "
-             "backend=\"sage\", preps included.", ""]
+    lines = ["## Training: the backward families", "",
+             "`python -m sage_compile bench backward`: gradients of `sage_attention` with each `SageConfig(backward=...)`"
+             " against fp32 autograd of exact attention (B=1, H=8, D=128, bf16 inputs, dO ~ N(0,1); `smollm2_layer*`: "
+             "SmolLM2-135M's own attention inputs and upstream gradients, 2048 tokens, GQA 9/3, D=64, causal) — `sage`: "
+             "the 8-bit backward; `sdpa`: the 8-bit forward with SDPA's exact gradient (its forward recomputed) — and "
+             "one attention's forward + backward speed, TOPS = 3.5·4·B·H·N²·D / t (halved for causal), B·N = 16K. "
+             "kernels: the two sage kernels on prepared operands; compiled: torch.compile with backend=\"sage\" and "
+             "backward=\"sage\", preps included.", ""]
+    columns = ("kernels", "compiled", "cudnn", "flash")
     for _, data in runs:
         lines += [f"### {measured(data)}", "", "| N | inputs | backward | dq cosine | dk cosine | dv cosine | "
                   "dq relative L1 |", "|---|---|---|---|---|---|---|"]
@@ -209,7 +215,7 @@ def backward_section(runs) -> list:
                          f"{r['dv_cos']:.5f} | {r['dq_rel_l1']:.4f} |")
         lines += ["", "| D | N | causal | sage kernels | sage compiled | cuDNN | flash |", "|---|---|---|---|---|---|---|"]
         for r in data["speed"]:
-            cells = " | ".join(_f(r.get(f"{c}_tops")) for c in ("kernels", "compiled", "cudnn", "flash"))
+            cells = " | ".join(_f(r.get(f"{c}_tops")) for c in columns)
             lines.append(f"| {r['d']} | {r['n']} | {r['causal']} | {cells} |")
         lines.append("")
     return lines
@@ -282,30 +288,38 @@ def context_parallel_section(runs) -> list:
     return lines
 
 
-def train_section(runs, directory) -> list:
+def train_section(curve_runs, step_runs, directory) -> list:
     lines = ["## Training runs", "",
              "`python -m sage_compile bench train`: a GPT-2-small-shaped byte-level decoder trained from scratch on the "
-             "Python standard library's source (same weights and batches per run; `sage` = backend=\"sage\" with "
-             "backward=\"sage\"), and a Llama-3-8B-shaped 2-layer training step (forward + backward).", ""]
-    for slug, data in runs:
-        curves = data.get("loss_curves")
+             "Python standard library's source, then fine-tuned from the `inductor` run's weights on English prose (the "
+             "Python language reference's text); same weights and batches per run. Runs: `inductor` (bf16 SDPA), "
+             "`sage` (backend=\"sage\", backward=\"sage\"), `sage_fwd` (backward=\"sdpa\"). `--part step`: a "
+             "Llama-3-8B-shaped 2-layer training step (forward + backward), the default thresholds.", ""]
+    for slug, data in curve_runs:
         lines += [f"### {measured(data)}", ""]
-        if curves:
-            lines += [f"{curves['steps']} steps of {curves['batch']}×{curves['seq']} tokens.", "",
+        for phase, title in (("scratch", "From scratch"), ("finetune", "Fine-tuning")):
+            curves = data.get(phase)
+            if not curves:
+                continue
+            lines += [f"{title}: {curves['steps']} steps of {curves['batch']}×{curves['seq']} tokens, learning rate "
+                      f"{curves['lr']}.", "",
                       "| run | final train loss | gap | held-out loss | gap | step ms |", "|---|---|---|---|---|---|"]
             for r in curves["runs"]:
                 lines.append(f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['final_train_gap']:+.2f}% | "
                              f"{r['final_held_out']:.4f} | {100 * r['final_held_out_gap']:+.2f}% | "
                              f"{r['step_ms_median']:.1f} |")
-            name = f"train_loss_{slug}.png"
+            name = f"train_loss_{phase}_{slug}.png"
             if _plot_losses(curves, os.path.join(directory, name)) or os.path.exists(os.path.join(directory, name)):
-                lines += ["", f"![loss curves]({name})"]
+                lines += ["", f"![{title} loss curves]({name})"]
             lines.append("")
-        lines += ["| tokens | inductor ms | sage ms (backward sage) | speed-up | sage ms (backward sdpa) | speed-up |",
-                  "|---|---|---|---|---|---|"]
+    for slug, data in step_runs:
+        names = [key[:-len("_ms")] for key in data["step_speed"][0] if key.endswith("_ms")]
+        lines += [f"### Training step, {measured(data)}", "",
+                  "| tokens | " + " | ".join(f"{n} ms" for n in names) + " | " +
+                  " | ".join(f"{n} speed-up" for n in names[1:]) + " |", "|---" * (2 * len(names)) + "|"]
         for r in data["step_speed"]:
-            lines.append(f"| {r['tokens']} | {r['inductor_ms']:.1f} | {r['sage_ms']:.1f} | {r['speedup']:.2f}× | "
-                         f"{r['sage_sdpa_bwd_ms']:.1f} | {r['speedup_sdpa_bwd']:.2f}× |")
+            lines.append(f"| {r['tokens']} | " + " | ".join(f"{r[n + '_ms']:.1f}" for n in names) + " | " +
+                         " | ".join(f"{r['speedup_' + n]:.2f}×" for n in names[1:]) + " |")
         lines.append("")
     return lines
 
@@ -436,7 +450,7 @@ def render(directory) -> str:
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
     lines += perplexity_section(_load(directory, "perplexity"))
     lines += backward_section(_load(directory, "backward"))
-    lines += train_section(_load(directory, "train"), directory)
+    lines += train_section(_load(directory, "train"), _load(directory, "train_step"), directory)
     lines += varlen_section(_load(directory, "varlen_bench"))
     lines += context_parallel_section(_load(directory, "context_parallel"))
     return "\n".join(lines).rstrip() + "\n"
