@@ -49,6 +49,12 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
     for node, args in sdpa_calls(gm):
         call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
         name = site_name(node, seen)
+        step_rungs = config.plan.step_rungs(name) if config.plan is not None and not _needs_grad(call) else ""
+        if step_rungs:  # calibrated per step: the op picks the rung when it runs
+            if judge_site(report, name, call, config, "sdpa", False):
+                _replace_planned(gm.graph, node, args, config, step_rungs)
+                changed = True
+            continue
         site_config = config.for_site(name)  # a calibration plan may set this site's rung
         if site_config is None:
             report.add(describe_site(name, call, PLAN_KEEPS_SDPA, config, "sdpa"))
@@ -61,10 +67,25 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
     return finish_rewrite(gm, changed, dead_code=False)
 
 
+def _needs_grad(call: AttentionCall) -> bool:
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (call.q, call.k, call.v))
+
+
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig) -> None:
     kwargs = dict(attn_mask=args["attn_mask"], scale=args["scale"], causal=causal_mode(args["is_causal"]),
                   enable_gqa=args["enable_gqa"], **config.op_kwargs())
     with graph.inserting_before(node):
         new = graph.call_function(torch.ops.sage.attention.default,
                                   (args["query"], args["key"], args["value"]), kwargs)
+    replace_node(graph, node, new)
+
+
+def _replace_planned(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig,
+                     step_rungs: str) -> None:
+    """A site the plan calibrated per step: sage.planned_attention picks the step's rung when it runs (inference
+    only: the op has no backward, so a site that needs one keeps the plan's rung for the site)."""
+    with graph.inserting_before(node):
+        new = graph.call_function(torch.ops.sage.planned_attention.default, (
+            args["query"], args["key"], args["value"], args["attn_mask"], args["scale"],
+            causal_mode(args["is_causal"]), args["enable_gqa"], config.op_key(), step_rungs))
     replace_node(graph, node, new)

@@ -16,10 +16,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
 from .api import compile, merge_attention, sage_attention, sage_attention_varlen  # noqa: E402
 from .config import SageConfig  # noqa: E402
 from .explain import explain  # noqa: E402
-from .plan import Plan, Target, calibrate  # noqa: E402
+from .plan import Plan, Target, calibrate, plan_step  # noqa: E402
 from .scheme import Scheme  # noqa: E402
 from .sites import Site, SiteReport, UnsupportedAttentionError  # noqa: E402
 
 __all__ = ["SageConfig", "Scheme", "compile", "sage_attention", "sage_attention_varlen", "merge_attention", "explain",
-           "calibrate", "Plan", "Target", "Site", "SiteReport", "UnsupportedAttentionError"]
+           "calibrate", "plan_step", "Plan", "Target", "Site", "SiteReport", "UnsupportedAttentionError"]
 __version__ = "0.1.0"

@@ -97,7 +97,8 @@ def calibrate(args) -> int:
         sys.path.insert(0, os.getcwd())
         return getattr(importlib.import_module(module), name)()
 
-    plan = run_calibration(load(args.model), load(args.inputs), Target(cos=args.cos, rel_l1=args.rel_l1))
+    plan = run_calibration(load(args.model), load(args.inputs), Target(cos=args.cos, rel_l1=args.rel_l1),
+                           steps="index" if args.per_step else None)
     plan.save(args.output)
     print(plan)
     print(f"plan → {args.output}; apply it with SageConfig(plan={args.output!r})")
@@ -146,6 +147,8 @@ def main(argv=None) -> int:
     c.add_argument("-o", "--output", default="sage_plan.json", help="the plan file to write")
     c.add_argument("--cos", type=float, default=_target_defaults()["cos"], help="minimum cosine vs the site's SDPA")
     c.add_argument("--rel-l1", type=float, default=_target_defaults()["rel_l1"], help="maximum relative L1")
+    c.add_argument("--per-step", action="store_true",
+                   help="batch i of the inputs is step i: a rung per site and step too (run under plan_step(i))")
     b = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ") and the results page",
                        description="Benchmarks; `bench <name> --help` lists each one's options, `--record` writes "
                                    "docs/results/<bench>_<device>.json.",

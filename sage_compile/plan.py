@@ -8,16 +8,23 @@ The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measure
 same kernel plus an add in its epilogue and a mean in the prep), and SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
 8-bit PV misses a target SDPA is both faster and exact.
 
-Not covered yet: attention the passes find in hand-written softmax(QKᵀ)V (those sites get the config's scheme),
-a plan per call index or denoising step of a site (one plan per site: its worst call decides).
+Per step: ``calibrate(..., steps="index")`` (batch i of the inputs is step i — a diffusion trajectory fed as its
+denoising steps) or ``steps=fn`` (``fn(args, kwargs)`` names a batch's step, e.g. its timestep) also keeps, per site
+and step, the fastest rung meeting the target at that step. A compiled model then runs such a site as
+``sage::planned_attention``, which reads the step set by ``with sage_compile.plan_step(key):`` when it runs — one
+graph for every step, no recompiles; the site's own rung (its worst step) serves calls outside any known step. The
+op is opaque to Inductor: its prep runs as the eager fused kernels, not fused into the producers of q and k.
+
+Not covered yet: attention the passes find in hand-written softmax(QKᵀ)V (those sites get the config's scheme).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +36,7 @@ RUNGS: Dict[str, Optional[Dict[str, Any]]] = {
     "per_token_smooth_v": {"k_granularity": "per_token", "smooth_v": True},
     "sdpa": None,
 }
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: per-step rungs (``steps``, ``measured_steps``); version 1 files load as plans without them
 
 
 @dataclass(frozen=True)
@@ -47,32 +54,44 @@ class Target:
 @dataclass
 class Plan:
     """site name → rung (``RUNGS``), with what was measured: per site and rung the worst cosine and relative L1 over
-    the site's calls (``None`` where sage cannot run the site), and the target."""
+    the site's calls (``None`` where sage cannot run the site), and the target. Calibrated per step, also ``steps``:
+    site → step key → rung, and ``measured_steps``: site → step key → rung → the worst over that step's calls."""
 
     sites: Dict[str, str]
     measured: Dict[str, Dict[str, Optional[dict]]] = field(default_factory=dict)
     target: Target = field(default_factory=Target)
+    steps: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    measured_steps: Dict[str, Dict[str, Dict[str, Optional[dict]]]] = field(default_factory=dict)
 
     def scheme_fields(self, site: str) -> Optional[Dict[str, Any]]:
         """The Scheme fields ``site``'s rung sets ({} for a site the plan does not name: the config's own), None for
         SDPA."""
         return RUNGS[self.sites[site]] if site in self.sites else {}
 
+    def step_rungs(self, site: str) -> str:
+        """``site``'s rung per step as ``planned_attention`` reads it — ``key=rung`` joined by newlines, ``*`` for
+        any other step — or "" where the plan has no steps for it."""
+        if not self.steps.get(site):
+            return ""
+        return "\n".join(f"{key}={rung}" for key, rung in {**self.steps[site], "*": self.sites[site]}.items())
+
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(dict(version=PLAN_VERSION, target=asdict(self.target), sites=self.sites,
-                           measured=self.measured), f, indent=1)
+                           measured=self.measured, steps=self.steps, measured_steps=self.measured_steps), f, indent=1)
 
     @staticmethod
     def load(path: str) -> "Plan":
         with open(path) as f:
             data = json.load(f)
-        if data.get("version") != PLAN_VERSION:
+        if data.get("version") not in (1, PLAN_VERSION):
             raise ValueError(f"{path}: a sage_compile plan of version {data.get('version')!r}, expected {PLAN_VERSION}")
-        unknown = sorted(set(data["sites"].values()) - set(RUNGS))
+        rungs = set(data["sites"].values()) | {r for by_step in data.get("steps", {}).values() for r in by_step.values()}
+        unknown = sorted(rungs - set(RUNGS))
         if unknown:
             raise ValueError(f"{path}: unknown rung(s) {unknown} (rungs: {', '.join(RUNGS)})")
-        return Plan(dict(data["sites"]), data.get("measured", {}), Target(**data.get("target", {})))
+        return Plan(dict(data["sites"]), data.get("measured", {}), Target(**data.get("target", {})),
+                    data.get("steps", {}), data.get("measured_steps", {}))
 
     def __str__(self) -> str:
         width = max((len(name) for name in self.sites), default=4)
@@ -80,22 +99,49 @@ class Plan:
         for name, rung in self.sites.items():
             stats = (self.measured.get(name) or {}).get(rung)
             detail = f"  cos {stats['cos']:.6f}  rel. L1 {stats['rel_l1']:.4f}" if stats else ""
-            lines.append(f"{name.ljust(width)}  {rung}{detail}")
+            by_step = self.steps.get(name)
+            steps = f"  per step: {', '.join(f'{k}={r}' for k, r in by_step.items())}" if by_step else ""
+            lines.append(f"{name.ljust(width)}  {rung}{detail}{steps}")
         return "\n".join(lines)
 
 
-def calibrate(model, inputs, target: Optional[Target] = None, config=None, progress: bool = True) -> Plan:
+_STEP: list = [None]  # the step key ``plan_step`` set (a str), read by planned_attention when it runs
+
+
+@contextlib.contextmanager
+def plan_step(key):
+    """Within the block, sites calibrated per step run the rung their plan gives step ``key`` (str()'d: the key
+    ``calibrate`` recorded; an unknown key gets the site's own rung)."""
+    previous, _STEP[0] = _STEP[0], None if key is None else str(key)
+    try:
+        yield
+    finally:
+        _STEP[0] = previous
+
+
+def step_rung(step_rungs: str) -> str:
+    """The rung ``Plan.step_rungs``' text gives the current step."""
+    rungs = dict(line.split("=", 1) for line in step_rungs.split("\n"))
+    return rungs.get(_STEP[0], rungs["*"]) if _STEP[0] is not None else rungs["*"]
+
+
+def calibrate(model, inputs, target: Optional[Target] = None, config=None, progress: bool = True,
+              steps: Union[None, str, Callable] = None) -> Plan:
     """Run ``model`` (eagerly, no grad) on ``inputs`` — a tuple of positional arguments, a dict of keyword arguments,
     or an iterable of either (a loader) — and measure every SDPA site at every rung (each rung's fields on
     ``config``'s scheme, forced to sage); returns the Plan that takes, per site, the first rung of ``RUNGS`` meeting
-    ``target`` at every call (SDPA where none does). ``plan.save(path)`` writes it; compiling with
-    ``config.replace(plan=plan)`` (or ``SageConfig(plan=path)``) applies it."""
+    ``target`` at every call (SDPA where none does). ``steps`` — "index" (batch i is step i) or a function of a
+    batch's (args, kwargs) naming its step — also picks a rung per site and step (module docstring).
+    ``plan.save(path)`` writes it; compiling with ``config.replace(plan=plan)`` (or ``SageConfig(plan=path)``)
+    applies it."""
     from .config import SageConfig
     from .explain import _fresh_caller, unwrap_compiled
 
+    if not (steps is None or steps == "index" or callable(steps)):
+        raise ValueError(f"calibrate(steps={steps!r}): expected None, 'index' or a function of (args, kwargs)")
     target = target or Target()
     base = (config or SageConfig()).replace(min_seq_len=0, fallback="error", plan=None)
-    measured: Dict[str, Dict[str, Optional[dict]]] = {}
+    state = dict(measured={}, by_step={}, step=None, base=base)
     batches = list(_batches(inputs))
     tick = _progress(len(batches), progress)
 
@@ -112,49 +158,66 @@ def calibrate(model, inputs, target: Optional[Target] = None, config=None, progr
 
     original, _ = unwrap_compiled(model)
     run = torch.compile(_fresh_caller(original), backend=backend)
-    _ACTIVE.append((measured, base))
+    _ACTIVE.append(state)
     try:
         with torch.no_grad():
-            for args, kwargs in batches:
+            for index, (args, kwargs) in enumerate(batches):
+                if steps is not None:
+                    state["step"] = str(index if steps == "index" else steps(args, kwargs))
                 run(*args, **kwargs)
                 tick()
     finally:
         _ACTIVE.pop()
-    sites = {name: next((rung for rung, stats in by_rung.items() if stats is not None and target.met(stats)), "sdpa")
-             for name, by_rung in measured.items()}
-    return Plan(sites, measured, target)
+    plan = Plan(_first_rungs(state["measured"], target), state["measured"], target)
+    if steps is not None:
+        plan.measured_steps = state["by_step"]
+        plan.steps = {name: _first_rungs(by_step, target) for name, by_step in state["by_step"].items()}
+    return plan
 
 
-_ACTIVE: list = []  # (measured, base config) of the calibrate() call running
+def _first_rungs(measured: Dict[str, Dict[str, Optional[dict]]], target: Target) -> Dict[str, str]:
+    """key → the first rung (RUNGS order) whose worst call meets ``target`` (SDPA where none does)."""
+    return {key: next((rung for rung, stats in by_rung.items() if stats is not None and target.met(stats)), "sdpa")
+            for key, by_rung in measured.items()}
+
+
+_ACTIVE: list = []  # the running calibrate()'s state: measured, by_step, the current step, the base config
 
 
 def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
     """In place of one SDPA call: the call itself (what the model goes on with) and every sage rung on the same
-    inputs, the worst cosine / relative L1 per rung kept in the running calibration's ``measured[name]``."""
+    inputs, the worst cosine / relative L1 per rung kept in the running calibration's ``measured[name]`` (and in
+    ``by_step[name][step]`` when it calibrates per step)."""
     from .api import sage_attention
     from .sites import UnsupportedAttentionError
 
     sdpa_args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
     reference = F.scaled_dot_product_attention(query, key, value, **sdpa_args)
-    measured, base = _ACTIVE[-1]
-    site = measured.setdefault(name, {})
+    state = _ACTIVE[-1]
+    records = [state["measured"].setdefault(name, {})]
+    if state["step"] is not None:
+        records.append(state["by_step"].setdefault(name, {}).setdefault(state["step"], {}))
     for rung, fields in RUNGS.items():
         if fields is None:
-            site[rung] = dict(cos=1.0, rel_l1=0.0)
-            continue
-        config = base.replace(**fields)
-        try:
-            out = sage_attention(query, key, value, config=config, **sdpa_args)
-        except UnsupportedAttentionError:
-            site[rung] = None
-            continue
-        stats = _error(out, reference)
-        old = site.get(rung, stats)
-        site[rung] = None if old is None else dict(cos=min(old["cos"], stats["cos"]),
-                                                   rel_l1=max(old["rel_l1"], stats["rel_l1"]))
+            stats = dict(cos=1.0, rel_l1=0.0)
+        else:
+            try:
+                stats = _error(sage_attention(query, key, value, config=state["base"].replace(**fields),
+                                              **sdpa_args), reference)
+            except UnsupportedAttentionError:
+                stats = None
+        for record in records:
+            record[rung] = _worst(record.get(rung, stats), stats)
     return reference
+
+
+def _worst(old: Optional[dict], new: Optional[dict]) -> Optional[dict]:
+    """The worse of two measurements of one rung (None — sage cannot run it — stays None)."""
+    if old is None or new is None:
+        return None
+    return dict(cos=min(old["cos"], new["cos"]), rel_l1=max(old["rel_l1"], new["rel_l1"]))
 
 
 def _error(out: torch.Tensor, reference: torch.Tensor) -> dict:

@@ -127,4 +127,78 @@ def test_the_command_line_writes_a_plan(tmp_path, capsys):
     assert main(["calibrate", "test_plan:build_model", "test_plan:batches", "-o", path, "--cos", "1.0"]) == 0
     plan = Plan.load(path)
     assert set(plan.sites.values()) == {"sdpa"} and plan.target == Target(cos=1.0, rel_l1=Target().rel_l1)
-    assert "blocks.1.attn#0" in capsys.readouterr().out
+    assert "blocks.1.attn#0" in capsys.readouterr().out and not plan.steps
+    assert main(["calibrate", "test_plan:build_model", "test_plan:batches", "-o", path, "--per-step"]) == 0
+    assert all(set(by_step) == {"0", "1"} for by_step in Plan.load(path).steps.values())
+
+
+def _two_steps():
+    """The demo model and two denoising-step-like batches: a channel-biased one, on which the 8-bit rungs come much
+    closer to SDPA, then plain N(0,1)."""
+    model, x = _model_and_input()
+    g = torch.Generator().manual_seed(1)
+    biased = (torch.randn(2, 300, 64, generator=g) + 3 * torch.randn(64, generator=g)).bfloat16()
+    return model, [(biased,), (x,)]
+
+
+def test_calibrate_per_step_picks_a_rung_per_site_and_step():
+    """steps="index": each batch is a step; per site and step the first rung whose worst call of that step meets the
+    target, and the site's own rung from its worst call over every step. A bar that step 0 meets with per_thread K
+    and step 1 does not shows the two apart."""
+    model, batches = _two_steps()
+    site = "blocks.1.attn#0"
+    by_step = calibrate(model, batches, progress=False, steps="index").measured_steps[site]
+    bar = by_step["0"]["per_thread"]["rel_l1"]
+    assert by_step["1"]["per_thread"]["rel_l1"] > bar  # step 1 is harder
+    plan = calibrate(model, batches, target=Target(cos=0.0, rel_l1=bar), progress=False, steps="index")
+    for name in plan.sites:
+        assert set(plan.steps[name]) == {"0", "1"}
+        for step, rung in plan.steps[name].items():
+            stats = plan.measured_steps[name][step]
+            assert rung == next(r for r, s in stats.items() if s["rel_l1"] <= bar)
+        worst = plan.measured[name]
+        assert plan.sites[name] == next(r for r, s in worst.items() if s["rel_l1"] <= bar)
+    assert plan.steps[site]["0"] == "per_thread" and plan.steps[site]["1"] != "per_thread"
+    keyed = calibrate(model, batches, target=plan.target, progress=False, steps=lambda args, kwargs: f"t{len(args)}")
+    assert set(keyed.steps[site]) == {"t1"}  # a function names the steps; both batches are step "t1" here
+    with pytest.raises(ValueError, match="steps="):
+        calibrate(model, batches, progress=False, steps="timestep")
+
+
+def test_a_per_step_plan_runs_each_steps_rung_in_one_graph(tmp_path):
+    """Compiled with a per-step plan, each site is sage.planned_attention: under plan_step(k) it runs step k's rung —
+    the same output as a model compiled with those rungs as its plan — with no recompile between steps; outside any
+    step, the site's own rung. The plan survives its file."""
+    from torch._dynamo.utils import counters
+
+    model, batches = _two_steps()
+    site = "blocks.1.attn#0"
+    by_step = calibrate(model, batches, progress=False, steps="index").measured_steps[site]
+    plan = calibrate(model, batches, target=Target(cos=0.0, rel_l1=by_step["0"]["per_thread"]["rel_l1"]),
+                     progress=False, steps="index")
+    path = str(tmp_path / "plan.json")
+    plan.save(path)
+    assert Plan.load(path) == plan
+    config = SageConfig(plan=path, inner_backend="aot_eager", min_seq_len=0)
+    compiled = sage_compile.compile(model, config=config, dynamic=False)
+    x = batches[1][0]
+    outputs = {}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        for step in ("0", "1"):
+            with sage_compile.plan_step(step):
+                outputs[step] = compiled(x)
+        outputs[None] = compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1
+    expected_runs = [plan.steps[name][step] for step in ("0", "1") for name in plan.sites] + list(plan.sites.values())
+    assert sum(counters["sage"][f"planned_{rung}"] for rung in RUNGS) == len(expected_runs)
+    for rung in RUNGS:
+        assert counters["sage"][f"planned_{rung}"] == expected_runs.count(rung), rung
+    for step, rungs in (("0", {n: plan.steps[n]["0"] for n in plan.sites}),
+                        ("1", {n: plan.steps[n]["1"] for n in plan.sites}), (None, plan.sites)):
+        torch._dynamo.reset()
+        fixed = sage_compile.compile(model, config=config.replace(plan=Plan(dict(rungs))), dynamic=False)
+        with torch.no_grad():
+            assert torch.equal(outputs[step], fixed(x)), step
+    assert "+ per step" in str(sage_compile.explain(model, x, config=config))

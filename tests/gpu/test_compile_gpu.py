@@ -160,3 +160,36 @@ def test_runs_are_bit_identical_and_freed_garbage_never_leaks():
             again = compiled(x)
             assert torch.equal(again, first)
     assert torch.isfinite(first).all()
+
+
+def test_a_per_step_plan_switches_rungs_without_recompiling_on_the_gpu():
+    """A plan with a rung per step (made by hand: per_thread at step "0", SDPA at "1", per-token outside any step):
+    Inductor's code calls sage.planned_attention per layer, the steps share one graph, and each step's output is the
+    model compiled with that step's rungs as a plain plan (the planned op's prep is the eager fused kernels, the
+    plain plan's is Inductor's: equal up to rounding)."""
+    from torch._inductor.utils import run_and_get_code
+    from sage_compile import Plan
+
+    model, x = _model_and_input(n=2048, layers=2)
+    names = [f"blocks.{i}.attn#0" for i in range(2)]
+    plan = Plan({n: "per_token" for n in names}, steps={n: {"0": "per_thread", "1": "sdpa"} for n in names})
+    compiled = sage_compile.compile(model, config=ALWAYS.replace(plan=plan))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    outputs = {}
+    with torch.no_grad():
+        with sage_compile.plan_step(0):
+            outputs["0"], codes = run_and_get_code(compiled, x)
+        with sage_compile.plan_step(1):
+            outputs["1"] = compiled(x)
+        outputs[None] = compiled(x)
+    assert "\n".join(codes).count("torch.ops.sage.planned_attention.default(") == 2
+    assert counters["stats"]["unique_graphs"] == 1
+    assert (counters["sage"]["planned_per_thread"], counters["sage"]["planned_sdpa"],
+            counters["sage"]["planned_per_token"]) == (2, 2, 2)
+    for step, rung in (("0", "per_thread"), ("1", "sdpa"), (None, "per_token")):
+        torch._dynamo.reset()
+        fixed = sage_compile.compile(model, config=ALWAYS.replace(plan=Plan({n: rung for n in names})))
+        with torch.no_grad():
+            expected = fixed(x)
+        assert _cos(outputs[step], expected) > 0.99999, step
