@@ -30,7 +30,7 @@ from .kernels import KernelArgs
 from .kernels import backward as backward_kernels
 from .scheme import Scheme
 from .sites import UnsupportedAttentionError, remedy, warn_once
-from .support import AttentionCall, sdpa_is_faster, silent_choice, unsupported_reason
+from .support import AttentionCall, runs_eagerly, sdpa_is_faster, silent_choice, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
@@ -200,7 +200,7 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
-    elif _runs_eagerly(q) and q.is_cuda and prep.fast_path_reason(q, k, scheme, kv_lens) is None:
+    elif runs_eagerly(q) and q.is_cuda and prep.fast_path_reason(q, k, scheme, kv_lens) is None:
         p = prep.plain_prepare(q, k, v, scale, scheme, want_lse)
         torch._dynamo.utils.counters["sage"]["eager_fused_prep"] += 1
     else:
@@ -211,13 +211,6 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
         q.shape[-1], q.dtype, scheme.encode(),
     )
     return p, kernel_mask, out, lse
-
-
-def _runs_eagerly(t: torch.Tensor) -> bool:
-    """A plain tensor outside any compile or trace: the prep then runs as the fused Triton kernels (no producer to
-    fuse into). Under torch.compile the prep stays aten ops, which Inductor fuses into whatever made q, k and v."""
-    return (not torch.compiler.is_compiling() and type(t) in (torch.Tensor, torch.nn.Parameter)
-            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None)
 
 
 def sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens=None):

@@ -127,6 +127,13 @@ def _check_mask(call, config, grad_enabled):
 TRAINING_CHOICE = "SDPA is faster for training"
 
 
+def runs_eagerly(t) -> bool:
+    """A plain tensor outside any compile or trace: the prep then runs as the fused Triton kernels (no producer to
+    fuse into). Under torch.compile the prep stays aten ops, which Inductor fuses into whatever made q, k and v."""
+    return (not torch.compiler.is_compiling() and type(t) in (torch.Tensor, torch.nn.Parameter)
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None)
+
+
 def silent_choice(choice: str, config: SageConfig) -> bool:
     """Whether a speed choice is only counted, not warned: one the user made — ``min_seq_len``, or ``backward="none"``
     for the sites that need a backward."""
@@ -147,7 +154,7 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
         threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.scheme.k_granularity,
-                                           mask, config.scheme.pv, standalone)
+                                           mask, config.scheme.pv, standalone, compiled=not runs_eagerly(call.q))
     if not threshold:
         return None
     n_k = call.k.shape[-2]
@@ -158,6 +165,8 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
     elif config.scheme.pv == "fp16":
         source = thresholds.MEASURED_PV16_ON
+    elif standalone and not runs_eagerly(call.q):
+        source = f"measured on {thresholds.MEASURED_COMPILED_STANDALONE_ON}"
     elif standalone:
         source = f"measured on {thresholds.MEASURED_STANDALONE_ON}"
     else:

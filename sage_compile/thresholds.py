@@ -63,6 +63,26 @@ MEASURED_STANDALONE_PER_THREAD_K = {
 }
 MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass of its own"
 
+# Compiled sites with no producer to fuse: their prep is Inductor's fusion of the aten prep, slower than the eager
+# fused kernels above, so the eager table does not carry over. H100, ``bench e2e --producer none`` (q, k, v are the
+# compiled function's inputs), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87-0.91, 1.20-1.23 (causal
+# 0.71-0.72, 1.22-1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81-0.83, 1.09-1.12 (causal 0.67,
+# 1.12); D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never
+# at D=64 (8K not measured).
+MEASURED_COMPILED_STANDALONE = {
+    (9, 128, False): 16384,
+    (9, 128, True): 16384,
+    (9, 64, False): NEVER,
+    (9, 64, True): NEVER,
+}
+MEASURED_COMPILED_STANDALONE_PER_THREAD_K = {
+    (9, 128, False): 16384,
+    (9, 128, True): 16384,
+    (9, 64, False): 16384,
+    (9, 64, True): 16384,
+}
+MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compiled sites with no producer to fuse"
+
 
 # Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), H200,
 # ``bench e2e --mask``, rope → SDPA(attn_mask), 1K/4K/16K/32K, sage / inductor:
@@ -111,11 +131,12 @@ def mask_rows(mask) -> str:
 
 
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
-                mask=None, pv: str = "fp8", standalone: bool = False) -> float:
+                mask=None, pv: str = "fp8", standalone: bool = False, compiled: bool = False) -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
     own, faster kernel; a site with an attn_mask: the masked measurements above; ``standalone``, a site whose prep
-    no producer absorbed: MEASURED_STANDALONE); other archs borrow sm90's entry until measured; unmeasured shapes: 0."""
+    no producer absorbed: MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``); other archs
+    borrow sm90's entry until measured; unmeasured shapes: 0."""
     if device.type != "cuda":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
@@ -126,6 +147,9 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
         return _lookup(MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK, major, padded_head_dim)
     if pv == "fp16":
         return _lookup(MEASURED_PV16, major, padded_head_dim, causal)
+    if standalone and compiled:
+        return _lookup(MEASURED_COMPILED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread"
+                       else MEASURED_COMPILED_STANDALONE, major, padded_head_dim, causal)
     if standalone:
         return _lookup(MEASURED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_STANDALONE, major,
                        padded_head_dim, causal)

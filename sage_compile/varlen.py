@@ -248,7 +248,7 @@ def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
     log of each row's scaled scores, −inf for a row that sees no key). Callers check ``packed_problem`` first."""
     scheme = SageConfig.from_op_key(config).scheme
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if ops._runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
+    if ops.runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
         p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, scheme)
         torch._dynamo.utils.counters["sage"]["varlen_fused_prep"] += 1
     else:

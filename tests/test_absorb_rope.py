@@ -443,7 +443,7 @@ def test_the_pass_judges_speed_by_whether_the_rotary_will_be_fused(monkeypatch):
     so the report says what the op will run. Thresholds stubbed: 0 behind a rotary, never standalone."""
     from sage_compile import thresholds
 
-    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args: thresholds.NEVER if args[-1] else 0)
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args, compiled: thresholds.NEVER if args[-1] else 0)
 
     def plain(xq, xk, v, cos, sin):
         return F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2))

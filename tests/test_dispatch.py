@@ -89,8 +89,9 @@ def test_thresholds_follow_the_k_granularity(monkeypatch):
 
 
 def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
-    """A site whose prep is a pass of its own (eager sage_attention, a compiled sage.attention with no rotary absorbed)
-    reads MEASURED_STANDALONE: it never starts earlier than behind a fused producer, and sdpa_is_faster asks for it."""
+    """A site whose prep is a pass of its own reads MEASURED_STANDALONE eagerly (the fused prep kernels) and
+    MEASURED_COMPILED_STANDALONE compiled (Inductor's fusion of the aten prep): neither starts earlier than behind a
+    fused producer, the compiled one not earlier than the eager one, and sdpa_is_faster asks for the right one."""
     from sage_compile import SageConfig, thresholds
     from sage_compile.support import AttentionCall, sdpa_is_faster
 
@@ -101,12 +102,21 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
         assert thresholds.min_seq_len(cuda, d, causal, standalone=True) == thresholds.MEASURED_STANDALONE[key] >= fused
         assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", standalone=True)
                 == thresholds.MEASURED_STANDALONE_PER_THREAD_K[key] >= thresholds.MEASURED_PER_THREAD_K[key])
+        # compiled, the prep is Inductor's fusion of the aten prep: its own table, never earlier than the eager one
+        for granularity, table in (("per_token", thresholds.MEASURED_COMPILED_STANDALONE),
+                                   ("per_thread", thresholds.MEASURED_COMPILED_STANDALONE_PER_THREAD_K)):
+            assert (thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True, compiled=True) == table[key]
+                    >= thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True))
     seen = []
-    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args: seen.append(args[-1]) or 16384)
+    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args, compiled: seen.append((args[-1], compiled)) or 16384)
     q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
     call = AttentionCall(q, q, q, None, 0.0, False, None, False)
     assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), standalone=True)
-    assert "bench eager" in sdpa_is_faster(call, SageConfig(), standalone=True) and seen == [True, True]
+    assert "bench eager" in sdpa_is_faster(call, SageConfig(), standalone=True)
+    with torch._subclasses.FakeTensorMode():  # as a pass sees a compiled site
+        fake = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
+    assert "bench e2e --producer none" in sdpa_is_faster(AttentionCall(fake, fake, fake), SageConfig(), standalone=True)
+    assert seen == [(True, False), (True, False), (True, True)]
 
 
 def test_thresholds_of_masked_sites(monkeypatch):
