@@ -8,15 +8,17 @@ inputs; plus the prep alone against its memory floor, and accuracy on the three 
     python -m sage_compile bench e2e --mask key_padding --causal 0
 
 Columns: inductor; sage (fused prep, per-token K scales); sage_pt (k_granularity="per_thread": the default numerics);
-sage_generic (fuse_rope=False: Inductor's own fusion of the prep, per-token K); with the default producer also the prep alone (generic and
-fused), the rotary alone, and the prep's memory floor.
+sage_generic (fuse_rope=False: Inductor's own fusion of the prep, per-token K); default (``SageConfig()`` as shipped:
+the measured thresholds decide, ``chose`` says what it ran — "sage" or "sdpa" — from ``explain``); with the default
+producer also the prep alone (generic and fused), the rotary alone, and the prep's memory floor.
 
 ``--producer``: what computes q and k in front of attention — ``half`` (half-split rotary, Llama/Flux; default),
 ``interleaved`` (diffusers' channel-pair rotary, fp32 tables), ``qknorm_half`` (RMSNorm + rotate_half, Qwen3),
-``qknorm_interleaved`` (RMSNorm + interleaved rotary, Flux/SD3). ``--mask``: an attn_mask as a model passes it —
+``qknorm_interleaved`` (RMSNorm + interleaved rotary, Flux/SD3), ``none`` (q and k are the inputs: a standalone
+site, whose prep is a pass of its own). ``--mask``: an attn_mask as a model passes it —
 ``key_padding`` (bool [B,1,1,N], the last eighth of the keys padded) or ``additive`` (fp32 [B,1,N,N], 5% -inf);
 non-causal only. ``--pv fp16``: every sage column runs SageConfig(pv="fp16") (the prep columns stay fp8).
-Every sage column uses min_seq_len=0: the measured thresholds would otherwise keep short sites on SDPA.
+Every sage column but ``default`` uses min_seq_len=0: the measured thresholds would otherwise keep short sites on SDPA.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; ``--rounds R`` times each row's columns R
 times, interleaved, and keeps each column's median (the GPU clock drifts over a run: a single pass per column put
@@ -40,7 +42,7 @@ from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
 from .kernel_bench import N_SETS, SHAPES, TOKENS, _bench_ms, _graph_ms, _rotating, interleaved_ms
 
 N_DEFAULT = "1024,2048,4096,8192,16384,32768"
-PRODUCERS = ("half", "interleaved", "qknorm_half", "qknorm_interleaved")
+PRODUCERS = ("half", "interleaved", "qknorm_half", "qknorm_interleaved", "none")
 MASKS = ("none", "key_padding", "additive")
 
 
@@ -86,7 +88,7 @@ def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "
     if producer.endswith("interleaved"):  # full-width tables made in the graph, as Flux's position embedding does
         cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
     fn = {"half": rope, "interleaved": interleaved_rope, "qknorm_half": rotate_half_rope,
-          "qknorm_interleaved": interleaved_rope}[producer]
+          "qknorm_interleaved": interleaved_rope, "none": lambda x, cos, sin: x}[producer]
     q, k = fn(xq, cos, sin).transpose(1, 2), fn(xk, cos, sin).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, is_causal=causal)
     return out.transpose(1, 2)
@@ -266,6 +268,8 @@ def _main(argv=None):
             sage = sage_compile.compile(block("sage"), config=sage_cfg, dynamic=dynamic)
             sage_generic = sage_compile.compile(block("generic"), config=sage_cfg.replace(fuse_rope=False), dynamic=dynamic)
             sage_pt = sage_compile.compile(block("pt"), config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
+            default_cfg = SageConfig(pv=opts.pv)
+            sage_default = sage_compile.compile(block("default"), config=default_cfg, dynamic=dynamic)
             compiled[causal], compiled_pt[causal] = sage, sage_pt
             preps = []
             if default_producer:
@@ -279,13 +283,16 @@ def _main(argv=None):
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
                 columns = (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
-                           ("sage_pt", sage_pt), *preps)
+                           ("sage_pt", sage_pt), ("default", sage_default), *preps)
                 timed = {name: _rotating([lambda s=s, f=fn: f(*s) for s in sets]) for name, fn in columns}
                 torch._dynamo.utils.counters.clear()
                 row.update(interleaved_ms(timed, opts.rounds))
                 row["sage_counters"] = dict(torch._dynamo.utils.counters["sage"])  # what the passes did
-                for name in ("inductor", "sage", "sage_generic", "sage_pt"):
+                for name in ("inductor", "sage", "sage_generic", "sage_pt", "default"):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
+                report = sage_compile.explain(block("default"), *sets[0], config=default_cfg)
+                row["chose"] = "sage" if report.replaced else "sdpa"
+                row["speedup_default"] = row["inductor_ms"] / row["default_ms"]
                 row["speedup"] = row["inductor_ms"] / row["sage_ms"]
                 row["speedup_per_thread_k"] = row["inductor_ms"] / row["sage_pt_ms"]
                 row["speedup_generic_prep"] = row["inductor_ms"] / row["sage_generic_ms"]
@@ -313,11 +320,13 @@ def _main(argv=None):
           "k_granularity='per_thread'), speed-ups over inductor"
           + ("; prep GPU ms (CUDA graph): generic, fused, rope alone, memory floor, fused/floor" if default_producer else ""))
     print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'generic':>7} {'pt':>6} {'x':>5} {'x gen':>5} "
-          f"{'x pt':>5}" + (f" {'prep':>7} {'fused':>7} {'rope':>7} {'floor':>6} {'/floor':>6}" if default_producer else ""))
+          f"{'x pt':>5} {'x default':>9} {'chose':>5}"
+          + (f" {'prep':>7} {'fused':>7} {'rope':>7} {'floor':>6} {'/floor':>6}" if default_producer else ""))
     for r in results["rows"]:
         print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
               f"{r['sage_generic_tops']:>7.0f} {r['sage_pt_tops']:>6.0f} {r['speedup']:>5.2f} "
-              f"{r['speedup_generic_prep']:>5.2f} {r['speedup_per_thread_k']:>5.2f}"
+              f"{r['speedup_generic_prep']:>5.2f} {r['speedup_per_thread_k']:>5.2f} {r['speedup_default']:>9.2f} "
+              f"{r['chose']:>5}"
               + (f" {r['prep_graph_ms']:>7.3f} {r['prep_fused_graph_ms']:>7.3f} {r['rope_graph_ms']:>7.3f} "
                  f"{r['prep_floor_ms']:>6.3f} {r['prep_fused_graph_over_floor']:>6.2f}" if "prep_graph_ms" in r else ""))
     for a in results["accuracy"]:

@@ -80,13 +80,16 @@ def kernel_section(runs) -> list:
 
 def _e2e_table(data) -> list:
     prep = "prep_fused_graph_ms" in data["rows"][0]
+    default = "speedup_default" in data["rows"][0]  # files recorded before the default column have none
     lines = ["| D | causal | N | inductor TOPS | sage TOPS (default) | speed-up (default: per_thread K) | speed-up, "
              "per-token K | speed-up, generic prep |"
+             + (" shipped config: speed-up (chose) |" if default else "")
              + (" prep GPU ms (fused) | memory floor ms |" if prep else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|" if prep else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if default else "") + ("---|---|" if prep else "")]
     for r in data["rows"]:
         lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_pt_tops']:.0f} | "
                      f"**{r['speedup_per_thread_k']:.2f}** | {r['speedup']:.2f} | {r['speedup_generic_prep']:.2f} |"
+                     + (f" {r['speedup_default']:.2f} ({r['chose']}) |" if default else "")
                      + (f" {r['prep_fused_graph_ms']:.3f} | {r['prep_floor_ms']:.3f} |" if prep else ""))
     if data.get("accuracy"):
         lines += ["", "Accuracy vs fp32, same compiled function (B=1, H=8, N=4096):", "",
@@ -101,7 +104,8 @@ def e2e_section(runs, variants) -> list:
              "`python -m sage_compile bench e2e`: `rope(q), rope(k) → SDPA`, compiled with `backend=\"inductor\"` "
              "(SDPA → cuDNN, compiled per shape) and with `backend=\"sage\"` (`dynamic=True`, `min_seq_len=0`), same "
              "run, same inputs; speed-up = inductor time / sage time. generic prep = `fuse_rope=False` (Inductor's own "
-             "fusion of rotary + quantization). Prep GPU ms: the fused rotary + smoothing + quantization alone (CUDA "
+             "fusion of rotary + quantization). Shipped config: `SageConfig()` with its measured thresholds, and what it "
+             "ran there. Prep GPU ms: the fused rotary + smoothing + quantization alone (CUDA "
              "graph); memory floor: its bytes at the measured copy bandwidth.", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}", ""] + _e2e_table(data)
