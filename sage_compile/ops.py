@@ -387,13 +387,14 @@ def _(q, k, v, scale, is_causal, enable_gqa, config):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-@_define_op()
+@_define_op(tags=tuple(getattr(torch.Tag, name) for name in ("cudagraph_unsafe",) if hasattr(torch.Tag, name)))
 def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       scale: Optional[float], causal: int, enable_gqa: bool, config: str, step_rungs: str
                       ) -> torch.Tensor:
     """A site calibrated per step (sage_compile/plan.py): the rung ``step_rungs`` (``Plan.step_rungs``) gives the
     step ``plan_step`` set when it runs — SDPA, or sage.attention with that rung's fields on ``config`` — so one
-    graph serves every step. Opaque to the compiler (the prep runs as the eager fused kernels); contiguous output."""
+    graph serves every step. Opaque to the compiler (the prep runs as the eager fused kernels); contiguous output.
+    Tagged cudagraph_unsafe: a captured CUDA graph would replay the step it was captured at."""
     from .plan import RUNGS, step_rung
 
     rung = step_rung(step_rungs)

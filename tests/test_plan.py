@@ -202,3 +202,5 @@ def test_a_per_step_plan_runs_each_steps_rung_in_one_graph(tmp_path):
         with torch.no_grad():
             assert torch.equal(outputs[step], fixed(x)), step
     assert "+ per step" in str(sage_compile.explain(model, x, config=config))
+    if hasattr(torch.Tag, "cudagraph_unsafe"):  # a captured graph would replay one step's rungs
+        assert torch.Tag.cudagraph_unsafe in torch.ops.sage.planned_attention.default.tags
