@@ -10,8 +10,7 @@ Loss curves: a GPT-2-small-shaped decoder (12 layers, width 768, 12 heads of 64,
   pages in pydoc_data, in sorted order; the last 5% of its bytes held out).
 Each run of a phase starts from the same weights and sees the same batches: ``inductor`` (torch.compile, bf16 SDPA),
 ``sage`` (backend="sage", 8-bit forward, backward="sage"), ``sage_fwd`` (8-bit forward, backward="sdpa": SDPA's
-forward recomputed for its exact backward). AdamW,
-bf16 autocast, the held-out loss every --eval-every steps.
+forward recomputed for its exact backward). AdamW, bf16 autocast, the held-out loss every --eval-every steps.
 Step speed (``--part step``): a Llama-3-8B-shaped stack (bench/models.py's block: GQA 32/8, head dim 128, RoPE,
 causal) at each --tokens, one forward + backward, no optimizer: inductor beside sage with each backward (``sage_none``:
 backward="none", SDPA for the sites that need a backward), the default thresholds, interleaved rounds.
