@@ -142,13 +142,14 @@ def train_run(name, compile_fn, train, held_out, opts, init=None) -> tuple:
     return record, {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-def _compile_fn(run: str):
+def _compiler(backward, **config):
+    """torch.compile for ``backward`` None (inductor), else sage_compile.compile with that backward and ``config``."""
     import sage_compile
     from sage_compile import SageConfig
 
-    if RUNS[run] is None:
+    if backward is None:
         return torch.compile
-    return lambda m: sage_compile.compile(m, config=SageConfig(min_seq_len=0, backward=RUNS[run]))
+    return lambda m: sage_compile.compile(m, config=SageConfig(backward=backward, **config))
 
 
 def _phase(runs, corpus, opts, init=None) -> tuple:
@@ -159,7 +160,7 @@ def _phase(runs, corpus, opts, init=None) -> tuple:
     first = None
     for name in runs:
         torch._dynamo.reset()
-        record, weights = train_run(name, _compile_fn(name), train, held_out, opts, init)
+        record, weights = train_run(name, _compiler(RUNS[name], min_seq_len=0), train, held_out, opts, init)
         result["runs"].append(record)
         first = weights if first is None else first
     base = result["runs"][0]
@@ -189,7 +190,7 @@ def step_speed(opts) -> list:
         x = torch.randn(1, tokens, shape["dim"], device="cuda", dtype=torch.bfloat16)
         columns = {}
         for name, backward in STEP_COLUMNS.items():
-            compiled = torch.compile(model) if backward is None else _default_config_compile(model, backward)
+            compiled = _compiler(backward)(model)  # the shipped thresholds decide each site
 
             def step(c=compiled):
                 c(x).float().square().mean().backward()
@@ -203,14 +204,6 @@ def step_speed(opts) -> list:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
-
-
-def _default_config_compile(model, backward):
-    """backend="sage" with the default config but ``backward`` (the shipped thresholds decide each site)."""
-    import sage_compile
-    from sage_compile import SageConfig
-
-    return sage_compile.compile(model, config=SageConfig(backward=backward))
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, judge_site, site_name
-from sage_compile.support import AttentionCall, unsupported_reason
+from sage_compile.support import AttentionCall, needs_grad, unsupported_reason
 from sage_compile.varlen import scheme_problem
 
 from .helpers import Node, arg_of, finish_rewrite, is_call, replace_node, value_of
@@ -120,7 +120,7 @@ def _lower_triangular_ones(node) -> bool:
 def _objection(args: dict, ids, config: SageConfig) -> Optional[str]:
     """What the op cannot take that the shared checks do not see."""
     q, k, v = (value_of(args[name]) for name in ("query", "key", "value"))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         return "inputs that require grad under a document mask (document attention has no backward yet)"
     if scheme_problem(config.scheme):
         return scheme_problem(config.scheme)

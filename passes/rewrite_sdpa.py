@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, describe_site, judge_site, site_name
-from sage_compile.support import AttentionCall, causal_mode
+from sage_compile.support import AttentionCall, causal_mode, needs_grad
 
 from .absorb_rope import fuses_producer
 from .helpers import finish_rewrite, is_call, replace_node, value_of
@@ -49,7 +49,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
     for node, args in sdpa_calls(gm):
         call = AttentionCall(*(value_of(args[name]) for name in _SIGNATURE.parameters))
         name = site_name(node, seen)
-        step_rungs = config.plan.step_rungs(name) if config.plan is not None and not _needs_grad(call) else ""
+        step_rungs = config.plan.step_rungs(name) if config.plan is not None and not needs_grad(call.q, call.k, call.v) else ""
         if step_rungs:  # calibrated per step: the op picks the rung when it runs
             if judge_site(report, name, call, config, "sdpa", False):
                 _replace_planned(gm.graph, node, args, config, step_rungs)
@@ -65,10 +65,6 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
         _replace(gm.graph, node, args, site_config)
         changed = True
     return finish_rewrite(gm, changed, dead_code=False)
-
-
-def _needs_grad(call: AttentionCall) -> bool:
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (call.q, call.k, call.v))
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, args: dict, config: SageConfig) -> None:

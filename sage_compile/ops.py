@@ -30,7 +30,7 @@ from .kernels import KernelArgs
 from .kernels import backward as backward_kernels
 from .scheme import Scheme
 from .sites import UnsupportedAttentionError, remedy, warn_once
-from .support import AttentionCall, runs_eagerly, sdpa_is_faster, silent_choice, unsupported_reason
+from .support import AttentionCall, needs_grad, runs_eagerly, sdpa_is_faster, silent_choice, unsupported_reason
 
 _LIB = torch.library.Library("sage", "DEF")
 
@@ -72,7 +72,7 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
     scores: [B,Hq,Nq] fp32, −inf for a row that sees no key) — what merging partial attentions needs. Inference only."""
     config = SageConfig.from_op_key(config)
     _check_call(q, k, v, causal)
-    if _needs_grad(q, k, v):
+    if needs_grad(q, k, v):
         raise RuntimeError("sage_attention(return_lse=True) has no backward yet: call it under torch.no_grad() or "
                            "torch.inference_mode()")
     if dropout_p:
@@ -103,14 +103,10 @@ def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None,
     q = prep.rope_model_order(xq, q_tables, interleaved, q_norm_weight, q_norm_eps).to(xq.dtype)
     k = prep.rope_model_order(xk, k_tables, interleaved, k_norm_weight, k_norm_eps).to(xk.dtype)
     fused = None
-    if prep.fast_path_reason(xq, xk, config.scheme, kv_lens) is None and not _needs_grad(q, k, v):
+    if prep.fast_path_reason(xq, xk, config.scheme, kv_lens) is None and not needs_grad(q, k, v):
         fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=config.scheme,
                                   interleaved=interleaved, q_norm=q_norm, k_norm=k_norm)
     return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused)
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, prepare=None):
@@ -127,7 +123,7 @@ def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, conf
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return _no_keys(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _needs_grad(q, k, v):
+    if needs_grad(q, k, v):
         torch._dynamo.utils.counters["sage"]["with_backward"] += 1
         family = _backward_family(config)
         if family == "sdpa":
@@ -172,7 +168,7 @@ def _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, co
         (attn_mask is not None, "an attn_mask"),
         (kv_lens is not None, "kv_lens"),
         (causal == spec.CAUSAL_BOTTOM_RIGHT, "bottom-right causal alignment"),
-        (_needs_grad(q, k, v), "inputs that require grad (no backward through the communication yet; wrap inference "
+        (needs_grad(q, k, v), "inputs that require grad (no backward through the communication yet; wrap inference "
                                "in torch.no_grad())")) if bad), None)
     if problem is not None:
         raise UnsupportedAttentionError(
@@ -306,7 +302,7 @@ def _no_grad_inputs(op: str, *tensors) -> None:
     """The quantized op has no derivative of its own (sage.attention's backward is ``autograd.AttentionFunction``).
     It is registered without an autograd kernel (``_define_op``), so under grad mode torch would record a graph
     through its launch: refuse inputs that require grad instead of letting a backward pass return wrong gradients."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         raise RuntimeError(f"sage::{op} has no backward: its inputs must not require grad")
 
 

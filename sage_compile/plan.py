@@ -20,6 +20,7 @@ Not covered yet: attention the passes find in hand-written softmax(QKᵀ)V (thos
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -121,8 +122,14 @@ def plan_step(key):
 
 def step_rung(step_rungs: str) -> str:
     """The rung ``Plan.step_rungs``' text gives the current step."""
-    rungs = dict(line.split("=", 1) for line in step_rungs.split("\n"))
+    rungs = _parse_step_rungs(step_rungs)
     return rungs.get(_STEP[0], rungs["*"]) if _STEP[0] is not None else rungs["*"]
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_step_rungs(step_rungs: str) -> Dict[str, str]:
+    """Each site's text, parsed once (planned_attention reads it on every call)."""
+    return dict(line.split("=", 1) for line in step_rungs.split("\n"))
 
 
 def calibrate(model, inputs, target: Optional[Target] = None, config=None, progress: bool = True,

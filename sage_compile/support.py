@@ -134,6 +134,12 @@ def runs_eagerly(t) -> bool:
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None)
 
 
+def needs_grad(*tensors) -> bool:
+    """Grad mode is on and one of ``tensors`` (None skipped; real or fake) requires grad: a call that records a
+    backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def silent_choice(choice: str, config: SageConfig) -> bool:
     """Whether a speed choice is only counted, not warned: one the user made — ``min_seq_len``, or ``backward="none"``
     for the sites that need a backward."""
@@ -147,14 +153,15 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
     length is compared too: that guard recompiles at most once, when a dynamic length crosses the threshold."""
     from . import thresholds
 
-    if config.backward == "none" and torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+    if config.backward == "none" and needs_grad(call.q, call.k, call.v):
         return f"{TRAINING_CHOICE}: q, k or v require grad and SageConfig.backward='none'"
     threshold = config.min_seq_len
     mask = call.attn_mask if isinstance(call.attn_mask, torch.Tensor) else None
+    compiled = not runs_eagerly(call.q)  # a pass's fake tensors, or a trace: the prep is Inductor's, not the fused one
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
         threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.scheme.k_granularity,
-                                           mask, config.scheme.pv, standalone, compiled=not runs_eagerly(call.q))
+                                           mask, config.scheme.pv, standalone, compiled=compiled)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
@@ -165,7 +172,7 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
     elif config.scheme.pv == "fp16":
         source = thresholds.MEASURED_PV16_ON
-    elif standalone and not runs_eagerly(call.q):
+    elif standalone and compiled:
         source = f"measured on {thresholds.MEASURED_COMPILED_STANDALONE_ON}"
     elif standalone:
         source = f"measured on {thresholds.MEASURED_STANDALONE_ON}"

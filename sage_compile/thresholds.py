@@ -69,12 +69,7 @@ MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass o
 # 0.71-0.72, 1.22-1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81-0.83, 1.09-1.12 (causal 0.67,
 # 1.12); D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never
 # at D=64 (8K not measured).
-MEASURED_COMPILED_STANDALONE = {
-    (9, 128, False): 16384,
-    (9, 128, True): 16384,
-    (9, 64, False): NEVER,
-    (9, 64, True): NEVER,
-}
+MEASURED_COMPILED_STANDALONE = MEASURED_STANDALONE  # per-token K: the same entries as eager
 MEASURED_COMPILED_STANDALONE_PER_THREAD_K = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,
