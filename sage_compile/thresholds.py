@@ -65,10 +65,10 @@ MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass o
 
 # Compiled sites with no producer to fuse: their prep is Inductor's fusion of the aten prep, slower than the eager
 # fused kernels above, so the eager table does not carry over. H100, ``bench e2e --producer none`` (q, k, v are the
-# compiled function's inputs), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87-0.91, 1.20-1.23 (causal
-# 0.71-0.72, 1.22-1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81-0.83, 1.09-1.12 (causal 0.67,
-# 1.12); D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never
-# at D=64 (8K not measured).
+# compiled function's inputs; e2e_bench_none_h100.json), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87,
+# 1.23 (causal 0.71, 1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81, 1.12 (causal 0.67, 1.12);
+# D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never at D=64
+# (8K not measured).
 MEASURED_COMPILED_STANDALONE = MEASURED_STANDALONE  # per-token K: the same entries as eager
 MEASURED_COMPILED_STANDALONE_PER_THREAD_K = {
     (9, 128, False): 16384,
