@@ -4,7 +4,7 @@ torch.distributed (any backend: NCCL on GPUs, gloo on CPUs).
 * ``ring_attention`` — each rank keeps its queries; K/V shards travel round the ring (P2P ``batch_isend_irecv``,
   the next shard in flight while this one is computed) and the partial attentions merge by their LSE
   (``merge_attention``). Causal: shard the sequence with ``shard_sequence(..., causal=True)`` (zigzag: rank r holds
-  chunks r and 2P−1−r of 2P), so every rank does the same work at every step.
+  chunks r and 2P−1−r of 2P), so every rank does the same work at every step, in one or two calls.
 * ``ulysses_attention`` — an all-to-all turns sequence shards into head shards, each rank runs the whole sequence
   for H/P heads, and a second all-to-all turns it back. Needs Hq and Hkv divisible by P.
 
@@ -75,29 +75,41 @@ def ring_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional
             requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
                                                dist.P2POp(dist.irecv, incoming, prv, group)])
         source = (rank - step) % world  # whose K/V shard this is
-        for q_chunk, partial in _partials(q, kv[0], kv[1], rank, source, world, is_causal, scale, enable_gqa,
-                                          config):
-            parts.setdefault(q_chunk, []).append(partial)
+        for chunks, (out, lse) in _partials(q, kv[0], kv[1], rank, source, is_causal, scale, enable_gqa, config):
+            for chunk, part in zip(chunks, zip(out.chunk(len(chunks), -2), lse.chunk(len(chunks), -1))):
+                parts.setdefault(chunk, []).append(part)
         for request in requests:
             request.wait()
         if incoming is not None:
             kv = incoming
-    merged = [merge_attention(parts[c]) for c in sorted(parts, key=_chunk_ids(rank, world, is_causal).index)]
+    merged = [merge_attention(parts[c]) for c in sorted(parts)]
     out = torch.cat([o for o, _ in merged], dim=-2)
     return (out, torch.cat([lse for _, lse in merged], dim=-1)) if return_lse else out
 
 
-def _partials(q, k, v, rank, source, world, causal, scale, enable_gqa, config):
-    """(query chunk id, (out, lse)) for this rank's query chunks against ``source``'s K/V chunks: every pair that
-    is not entirely in the causal future (a later chunk is skipped, the same chunk is causal, an earlier one full)."""
-    q_ids, kv_ids = _chunk_ids(rank, world, causal), _chunk_ids(source, world, causal)
-    q_chunks, k_chunks, v_chunks = q.chunk(len(q_ids), dim=-2), k.chunk(len(kv_ids), dim=-2), v.chunk(len(kv_ids), -2)
-    for qi, qc in zip(q_ids, q_chunks):
-        for ki, kc, vc in zip(kv_ids, k_chunks, v_chunks):
-            if causal and ki > qi:
-                continue
-            yield qi, sage_attention(qc, kc, vc, is_causal=causal and ki == qi, scale=scale, enable_gqa=enable_gqa,
-                                     config=config, return_lse=True)
+def _partials(q, k, v, rank, source, causal, scale, enable_gqa, config):
+    """(this rank's query chunks, (out, lse)) for its queries against ``source``'s K/V shard, in as few calls as
+    the causal structure allows — chunks are positions in the shard (0: first half, 1: second half). Not causal:
+    one call. Zigzag causal (rank r holds chunks r and 2P−1−r of 2P): from itself, the low query chunk against the
+    low keys and the high query chunk against both (causal, bottom-right: it sees every low key); from an earlier
+    rank, both query chunks see its low keys in full (its high chunk is in their future); from a later rank, only
+    the high query chunk sees anything — both key chunks, in full."""
+    def attend(queries, keys, values, is_causal):
+        return sage_attention(queries, keys, values, is_causal=is_causal, causal_alignment="bottom_right",
+                              scale=scale, enable_gqa=enable_gqa, config=config, return_lse=True)
+
+    if not causal:
+        yield (0,), attend(q, k, v, False)
+        return
+    q_low, q_high = q.chunk(2, dim=-2)
+    k_low, v_low = k.chunk(2, dim=-2)[0], v.chunk(2, dim=-2)[0]
+    if source == rank:
+        yield (0,), attend(q_low, k_low, v_low, True)
+        yield (1,), attend(q_high, k, v, True)
+    elif source < rank:
+        yield (0, 1), attend(q, k_low, v_low, False)
+    else:
+        yield (1,), attend(q_high, k, v, False)
 
 
 def ulysses_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional[float] = None,
