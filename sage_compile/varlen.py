@@ -6,8 +6,8 @@ sequence by sequence without padding any of them to the longest.
   sequence's first token), so a varlen call equals one ``sage_attention`` per sequence within summation order.
   An eager call on CUDA runs the same prep as Triton kernels (``prepare_packed_cuda``, kernels/varlen_prep_triton.py).
 * ``sage::attention_varlen`` — CompositeImplicitAutograd: the prep + ``sage::quantized_attention_varlen`` (opaque). On
-  CUDA that is one launch of the Triton kernel over every (sequence, query block) pair; elsewhere the kernel families
-  run sequence by sequence on views of the packed operands.
+  CUDA that is one launch over every (sequence, query block) pair — the sm90 kernel on Hopper where it takes the batch,
+  else the Triton kernel; elsewhere the kernel families run sequence by sequence on views of the packed operands.
 * ``sage::document_attention`` — opaque: SDPA under a document mask as one varlen run (placed by
   passes/document_mask.py).
 
@@ -277,18 +277,17 @@ def quantized_attention_varlen(
     cu_seqlens_k: torch.Tensor, max_seqlen_k: int, causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed operands of ``PackedPrepared`` → (out [Tq,Hq,head_dim], lse [Hq,Tq] over the smoothed scores). One
-    Triton launch on CUDA; elsewhere the kernel families run each sequence on views of the operands."""
+    launch on CUDA (``one_launch_kernel``); elsewhere the kernel families run each sequence on views of the operands."""
     ops._no_grad_inputs("quantized_attention_varlen", q_scale, k_scale, v, v_scale, v_mean)
     out, lse = _packed_outputs(q, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, None, None, None, causal, head_dim, out_dtype,
                       Scheme.decode(scheme))
     out4, lse3 = out.transpose(0, 1)[None], lse[None]
-    if _one_launch(args):
-        from .kernels import triton as triton_kernel
-
-        triton_kernel.launch_varlen(args, cu_seqlens_q, cu_seqlens_k, key_first, max_seqlen_k, out4, lse3)
-    else:
+    kernel = one_launch_kernel(args)
+    if kernel is None:
         _each_sequence(args, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), key_first.tolist(), out4, lse3)
+    else:
+        launch_packed(kernel, args, cu_seqlens_q, cu_seqlens_k, key_first, max_seqlen_k, out4, lse3)
     return out, lse
 
 
@@ -304,12 +303,29 @@ def _packed_outputs(q, head_dim, out_dtype):
             q.new_empty((hq, total), dtype=torch.float32))
 
 
-def _one_launch(args: KernelArgs) -> bool:
-    """Whether the Triton kernel takes the whole packed batch: a CUDA device it supports."""
+# The kernels with a packed launch, in the order tried: the sm90 kernel where it runs, else Triton.
+ONE_LAUNCH_KERNELS = ("sage_compile.kernels.sm90", "sage_compile.kernels.triton")
+
+
+def one_launch_kernel(args: KernelArgs):
+    """The kernel module that takes the whole packed batch in one launch on this CUDA device, or None."""
     if args.device.type != "cuda":
-        return False
-    module = dispatch.available_module("sage_compile.kernels.triton")
-    return module is not None and module.supports(args.site) is None and module.accepts(args) is None
+        return None
+    for name in ONE_LAUNCH_KERNELS:
+        module = dispatch.available_module(name)
+        if module is None or module.supports(args.site) is not None or module.accepts(args) is not None:
+            continue
+        if module.varlen_problem(args) is None:
+            return module
+    return None
+
+
+def launch_packed(kernel, args: KernelArgs, cu_q, cu_k, key_first, max_seqlen_k: int, out, lse) -> None:
+    """``kernel``'s one launch over the packed batch (out [1,Hq,Tq,D], lse [1,Hq,Tq]: views of the packed outputs)."""
+    if kernel.NAME == "triton":  # picks its block shapes by the longest sequence
+        kernel.launch_varlen(args, cu_q, cu_k, key_first, max_seqlen_k, out, lse)
+    else:
+        kernel.launch_varlen(args, cu_q, cu_k, key_first, out, lse)
 
 
 def _each_sequence(args: KernelArgs, cu_q, cu_k, key_first, out, lse) -> None:

@@ -132,6 +132,10 @@ const char* launch(const Params& p, int64_t stream, int ctas_per_sm) {
   if (p.batch == 0 || p.hq == 0 || p.nq == 0) return "";
   Params q = p;
   fill_tensor_maps(q);
+  if (q.cu_blk != nullptr && (q.tma == 0 || q.batch != 1 || q.kv_lens != nullptr || q.delta_s != nullptr ||
+                              q.mask != nullptr))
+    return "sm90 kernel: a packed batch needs tensor maps (16-byte aligned rows, at least 128 key slots), batch 1 "
+           "and no kv_lens, delta_s or attn_mask";
   const bool biased = q.delta_s != nullptr || q.mask != nullptr;
   if (biased) {
     q.ds_vec = bias_vec(q.delta_s, 4, q.ds_sb, q.ds_sh, q.ds_sr, q.ds_sk);

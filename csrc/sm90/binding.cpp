@@ -32,7 +32,8 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
                std::tuple<int, int, int, int, int, int, int, int> sizes, int causal, int causal_offset,
                bool kv_lens_int64, int out_dtype, int64_t stream, int ctas_per_sm, bool k_thread_groups,
-               py::object delta_s, int q_group, py::object mask, bool mask_bool, bool pv16) {
+               py::object delta_s, int q_group, py::object mask, bool mask_bool, bool pv16, py::object cu_q,
+               py::object cu_k, py::object key_first, py::object cu_blk, int n_seq) {
   Params p{};
   p.q = pointer<const int8_t>(q);
   p.q_scale = pointer<const float>(q_scale);
@@ -73,6 +74,13 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.mask = pointer<const void>(mask);
   p.mask_sb = smk[0], p.mask_sh = smk[1], p.mask_sr = smk[2], p.mask_sk = smk[3];
   p.mask_bool = mask_bool ? 1 : 0;
+  p.cu_q = pointer<const int32_t>(cu_q);
+  p.cu_k = pointer<const int32_t>(cu_k);
+  p.key_first = pointer<const int32_t>(key_first);
+  p.cu_blk = pointer<const int32_t>(cu_blk);
+  p.n_seq = n_seq;
+  if (p.cu_blk != nullptr && (p.cu_q == nullptr || p.cu_k == nullptr || p.key_first == nullptr || n_seq < 1))
+    throw std::invalid_argument("sm90: a packed batch needs cu_q, cu_k, key_first, cu_blk and n_seq >= 1");
   const char* err = sage_sm90::launch(p, stream, ctas_per_sm);
   if (err[0] != '\0') throw std::runtime_error(std::string("sage sm90 kernel launch failed: ") + err);
 }
@@ -99,7 +107,9 @@ PYBIND11_MODULE(_sm90, m) {
         py::arg("strides"), py::arg("sizes"), py::arg("causal"), py::arg("causal_offset"),
         py::arg("kv_lens_int64"), py::arg("out_dtype"), py::arg("stream"), py::arg("ctas_per_sm"),
         py::arg("k_thread_groups") = false, py::arg("delta_s") = py::none(), py::arg("q_group") = 1,
-        py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false);
+        py::arg("mask") = py::none(), py::arg("mask_bool") = false, py::arg("pv16") = false,
+        py::arg("cu_q") = py::none(), py::arg("cu_k") = py::none(), py::arg("key_first") = py::none(),
+        py::arg("cu_blk") = py::none(), py::arg("n_seq") = 0);
   m.def("kernel_info", &kernel_info, py::arg("head_dim_padded"), py::arg("ctas_per_sm"),
         py::arg("k_thread_groups") = false, py::arg("biased") = false, py::arg("pv16") = false);
   // The built instantiations (params.h's InstanceKey): (head_dim, ctas_per_sm, maps, thread_k, pairs, bias, pv16).
@@ -111,4 +121,5 @@ PYBIND11_MODULE(_sm90, m) {
   m.attr("INSTANTIATIONS") = py::tuple(keys);
   m.attr("HEAD_DIMS") = py::make_tuple(64, 128);
   m.attr("BLOCK_N") = 128;
+  m.attr("BLOCK_M") = 64;
 }

@@ -14,26 +14,58 @@
 namespace sage_sm90 {
 
 // What one CTA works on: (batch, query head, key head), its first query row, and the keys any of its
-// `rows` query rows can see (kv_lens, causal), as provably CTA-uniform values (wgmma loops run on them).
+// `rows` query rows can see (kv_lens, causal), as provably CTA-uniform values (wgmma loops run on them). Rows and
+// keys count from the CTA's sequence: in a packed batch (Params::cu_blk) its queries start at packed row q_first and
+// its keys at slot key_first, with nq queries, the causal offset of its lengths and δV / μV row vb; batched, those
+// are 0, 0, Nq, p.causal_offset and b. An idle CTA (a packed grid's spare blocks) has no work.
 struct CtaTile {
   int b, h, hk, q0, n_valid, n_blocks;
+  int q_first, key_first, nq, causal_offset, vb;
+  bool idle;
 };
+
+// The sequence holding query block `block` of a packed batch: the last s with cu_blk[s] <= block (empty sequences
+// share their bound with the next one, so the last is the one with blocks).
+__device__ __forceinline__ int sequence_of_block(const int32_t* cu_blk, int n_seq, int block) {
+  int lo = 0, hi = n_seq;  // cu_blk[lo] <= block < cu_blk[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (__ldg(cu_blk + mid) <= block) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
 
 __device__ __forceinline__ CtaTile cta_tile(const Params& p, int rows) {
   CtaTile tile;
-  const int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
+  int q_block = p.causal ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: heavy blocks first
   tile.b = blockIdx.y / p.hq;
   tile.h = blockIdx.y % p.hq;
   tile.hk = tile.h / (p.hq / p.hkv);
-  tile.q0 = q_block * rows;
+  tile.q_first = 0, tile.key_first = 0, tile.nq = p.nq, tile.causal_offset = p.causal_offset, tile.vb = tile.b;
+  tile.idle = false;
   int n_valid = p.nk;
-  if (p.kv_lens != nullptr) {
+  if (p.cu_blk != nullptr) {
+    tile.idle = q_block >= __ldg(p.cu_blk + p.n_seq);
+    const int s = sequence_of_block(p.cu_blk, p.n_seq, q_block);
+    q_block -= __ldg(p.cu_blk + s);
+    tile.q_first = __ldg(p.cu_q + s);
+    tile.nq = __ldg(p.cu_q + s + 1) - tile.q_first;
+    n_valid = __ldg(p.cu_k + s + 1) - __ldg(p.cu_k + s);
+    tile.key_first = __ldg(p.key_first + s);
+    tile.causal_offset = p.causal == 2 ? n_valid - tile.nq : 0;
+    tile.vb = s;
+  } else if (p.kv_lens != nullptr) {
     const long long len = p.kv_lens_int64 ? static_cast<const int64_t*>(p.kv_lens)[tile.b]
                                           : static_cast<const int32_t*>(p.kv_lens)[tile.b];
     n_valid = static_cast<int>(len < 0 ? 0 : (len > p.nk ? p.nk : len));
   }
+  tile.q0 = q_block * rows;
   int key_end = n_valid;  // keys [0, key_end) may be visible to some row of this CTA
-  if (p.causal) key_end = min(key_end, min(tile.q0 + rows, p.nq) + p.causal_offset);
+  if (p.causal) key_end = min(key_end, min(tile.q0 + rows, tile.nq) + tile.causal_offset);
   key_end = max(key_end, 0);
   tile.n_valid = __shfl_sync(0xffffffff, n_valid, 0);
   tile.n_blocks = __shfl_sync(0xffffffff, (key_end + kBlockN - 1) / kBlockN, 0);
@@ -45,10 +77,10 @@ template <int D>
 __device__ __forceinline__ void load_q(uint32_t sQ, const Params& p, const CtaTile& tile, int rows, int tid,
                                        int threads) {
   constexpr int kChunks = D / 16;
-  const int8_t* q_g = p.q + tile.b * p.q_sb + tile.h * p.q_sh;
+  const int8_t* q_g = p.q + tile.b * p.q_sb + tile.h * p.q_sh + tile.q_first * p.q_sn;
   for (int idx = tid; idx < rows * kChunks; idx += threads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const bool ok = tile.q0 + r < p.nq;
+    const bool ok = tile.q0 + r < tile.nq;
     cp_async_16(sQ + swizzled<D>(r, c), ok ? q_g + (tile.q0 + r) * p.q_sn + c * 16 : q_g, ok);
   }
 }

@@ -9,20 +9,22 @@
 #include <cmath>
 #include <cstdint>
 
+#include "copy.cuh"
 #include "params.h"
 #include "softmax.cuh"
 
 namespace sage_sm90 {
 
-// One row's normaliser and log-sum-exp (thread t == 0 writes the lse).
-__device__ __forceinline__ float row_normaliser(const Params& p, float l, float m, int row, int t, int b, int h,
+// One row's normaliser and log-sum-exp (thread t == 0 writes the lse; `row` counts from the tile's first query).
+__device__ __forceinline__ float row_normaliser(const Params& p, float l, float m, int row, int t, const CtaTile& tile,
                                                 bool& has_keys) {
   float lsum = l;
   lsum += __shfl_xor_sync(0xffffffff, lsum, 1);
   lsum += __shfl_xor_sync(0xffffffff, lsum, 2);
   has_keys = lsum != 0.f;  // l == 0: no key (out 0, lse −inf); a NaN l (poisoned row, spec.py) gives NaN out and lse
-  if (t == 0 && row < p.nq)
-    p.lse[b * p.lse_sb + h * p.lse_sh + row] = has_keys ? (m + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
+  if (t == 0 && row < tile.nq)
+    p.lse[tile.b * p.lse_sb + tile.h * p.lse_sh + tile.q_first + row] =
+        has_keys ? (m + (log2f(lsum) - kLog2_448)) * kLn2 : -INFINITY;
   return has_keys ? 1.f / lsum : 0.f;
 }
 
@@ -36,16 +38,16 @@ __device__ __forceinline__ float row_normaliser(const Params& p, float l, float 
 // in one kernel the D=128 three-CTA per_thread kernel spilled O registers inside its loop.
 template <int D, bool kPairs = false>
 __device__ __forceinline__ void store_output(const Params& p, const float (&o)[D / 2], const float (&m)[2],
-                                             const float (&l)[2], const int (&row)[2], int t, int b, int h,
+                                             const float (&l)[2], const int (&row)[2], int t, const CtaTile& tile,
                                              int hk) {
-  const float* vs_g = p.v_scale + b * p.vs_sb + hk * p.vs_sh;
-  const float* vm_g = p.v_mean ? p.v_mean + b * p.vm_sb + hk * p.vm_sh : nullptr;
+  const float* vs_g = p.v_scale + tile.vb * p.vs_sb + hk * p.vs_sh;
+  const float* vm_g = p.v_mean ? p.v_mean + tile.vb * p.vm_sb + hk * p.vm_sh : nullptr;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     bool has_keys;
-    const float inv = row_normaliser(p, l[hr], m[hr], row[hr], t, b, h, has_keys);
-    if (row[hr] >= p.nq) continue;
-    const int64_t out_row = b * p.o_sb + h * p.o_sh + row[hr] * p.o_sn;
+    const float inv = row_normaliser(p, l[hr], m[hr], row[hr], t, tile, has_keys);
+    if (row[hr] >= tile.nq) continue;
+    const int64_t out_row = tile.b * p.o_sb + tile.h * p.o_sh + (tile.q_first + row[hr]) * p.o_sn;
     if constexpr (kPairs) {  // bf16 out, pairs_aligned(p)
       __nv_bfloat16* out_pairs = static_cast<__nv_bfloat16*>(p.out) + out_row + 2 * t;
       const bool add_mean = vm_g != nullptr && has_keys;

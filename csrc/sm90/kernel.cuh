@@ -50,7 +50,8 @@ __device__ __forceinline__ void thread_rows(const Params& p, const CtaTile& tile
   row[0] = wg_row0 + warp * 16 + g;
   row[1] = row[0] + 8;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) q_scale[r] = row[r] < p.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + row[r]] : 0.f;
+  for (int r = 0; r < 2; ++r)
+    q_scale[r] = row[r] < tile.nq ? p.q_scale[tile.b * p.qs_sb + tile.h * p.qs_sh + tile.q_first + row[r]] : 0.f;
 }
 
 // S = Q·Kᵀ for one key block (D/32 k-steps) and T = P̂·V̂ (four k32 steps, or eight k16), issued, not waited for.
@@ -107,6 +108,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const CtaTile tile = cta_tile(p, kBlockM);
+  if (tile.idle) return;  // a packed grid's spare block (uniform over the CTA)
   const int b = tile.b, hk = tile.hk, q0 = tile.q0, n_valid = tile.n_valid, n_blocks = tile.n_blocks;
 
   const int8_t* k_g = p.k + b * p.k_sb + hk * p.k_sh;
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_
     }
     const uint32_t full = sFull + 8 * s;
     if (j >= kStages) mbarrier_wait(sEmpty + 8 * s, (j / kStages - 1) & 1);
-    map_copy_block<D, kPV16>(p, k0, hk, b, dK, dV, dKS, full);
+    map_copy_block<D, kPV16>(p, tile.key_first + k0, hk, b, dK, dV, dKS, full);
   };
   auto k_desc = [&](int j) { return smem_descriptor(sK + (j % kStages) * L::kKBytes, D); };
   auto v_desc = [&](int j) { return smem_descriptor(sV + (j % kStages) * L::kVBytes, 128); };
@@ -194,8 +196,8 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_
     if (by_map && tid == 0 && j + kStages - 1 < n_blocks) load_block(j + kStages - 1);
     wgmma_wait<0>();
     fence_registers(acc);
-    softmax_block_at<kThreadK, kBias, kPV16>(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, row, q_scale, m, l,
-                                             alpha, pa, &bias);
+    softmax_block_at<kThreadK, kBias, kPV16>(p, acc, k_scales(j), t, j * kBlockN, q0, n_valid, tile.causal_offset,
+                                             row, q_scale, m, l, alpha, pa, &bias);
     float pv[kOut];
     wgmma_fence();
     issue_pv<D, kPV16>(pv, pa, v_desc(j));
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(128, CtasPerSm) attention_kernel(const __grid_
   // NaN l into NaN out and lse. Two FMULs and two FADDs per thread, outside the key loop.
 #pragma unroll
   for (int r = 0; r < 2; ++r) l[r] += q_scale[r] * 0.f;
-  store_output<D, kPairs>(p, o, m, l, row, t, b, tile.h, hk);
+  store_output<D, kPairs>(p, o, m, l, row, t, tile, hk);
 }
 
 }  // namespace sage_sm90

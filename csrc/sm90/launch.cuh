@@ -23,8 +23,8 @@ static inline cudaError_t allow_smem(Kernel kernel, int bytes, unsigned& configu
 template <int D, int CtasPerSm, bool kPV16>
 constexpr int kDynamicSmem = SmemLayout<D, pipeline_stages<D, CtasPerSm, kPV16>(), kPV16>::kDynamic;
 
-// Launches one instantiation (its key: params.h's InstanceKey) on `stream`: grid (query blocks of 64 rows,
-// batch·heads), 128 threads.
+// Launches one instantiation (its key: params.h's InstanceKey) on `stream`: grid (query blocks of 64 rows — a packed
+// batch: of every sequence, bounded by Nq/64 + S without reading cu_blk —, batch·heads), 128 threads.
 template <int D, int CtasPerSm, bool kMaps, bool kThreadK, bool kPairs, bool kBias, bool kPV16>
 static cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
   static unsigned configured = 0;
@@ -32,7 +32,7 @@ static cudaError_t launch_instance(const Params& p, cudaStream_t stream) {
   auto kernel = attention_kernel<D, CtasPerSm, kMaps, kThreadK, kPairs, kBias, kPV16>;
   cudaError_t err = allow_smem(kernel, kSmem, configured);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.nq + kBlockM - 1) / kBlockM, p.batch * p.hq);
+  const dim3 grid((p.nq + kBlockM - 1) / kBlockM + (p.cu_blk != nullptr ? p.n_seq : 0), p.batch * p.hq);
   kernel<<<grid, 128, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -51,6 +51,15 @@ struct Params {
   // 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of the block's rows in natural
   // order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK (3-D: key, head, batch).
   int tma;
+  // A packed ragged batch (sage_compile.varlen; null cu_blk: a batched launch): batch = 1, Nq = Tq packed query
+  // rows, Nk = Nkp = C key slots. Sequence s is queries cu_q[s]..cu_q[s+1] and cu_k[s+1] − cu_k[s] keys from slot
+  // key_first[s] (a multiple of 16) — causal per sequence — with δV / μV row s ([S, Hkv, Dp]: vs_sb, vm_sb); its
+  // query blocks of kBlockM are cu_blk[s]..cu_blk[s+1] of the grid's first cu_blk[S] (the rest idle). Needs tma.
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  const int32_t* key_first;
+  const int32_t* cu_blk;
+  int n_seq;
   CUtensorMap k_map;  // 64-byte aligned by its type, as a kernel parameter must be
   CUtensorMap v_map;
   CUtensorMap ks_map;

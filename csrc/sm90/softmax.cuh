@@ -311,22 +311,23 @@ __device__ __forceinline__ void pack_weights_f16(const float (&sc)[64], uint32_t
 // only where a key is out of range or causally hidden for some row of the warpgroup — or, kBias, everywhere.
 template <bool kThreadK, bool kBias = false, bool kPV16 = false>
 __device__ __forceinline__ void softmax_block_at(const Params& p, const uint32_t (&acc)[64], const float* ks_s, int t,
-                                                 int k0, int wg_row0, int n_valid, const int (&row)[2],
+                                                 int k0, int wg_row0, int n_valid, int causal_offset,
+                                                 const int (&row)[2],
                                                  const float (&q_scale)[2], float (&m)[2], float (&l)[2],
                                                  float (&alpha)[2], PRegs<kPV16>& pa,
                                                  const ScoreBias* bias = nullptr) {
   using Order = KeyOrder<kPV16>;
-  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+  const bool masked = k0 + kBlockN > n_valid || (p.causal && k0 + kBlockN - 1 > wg_row0 + causal_offset);
   float sc[64];
   if constexpr (kBias) {
-    softmax_scores<true, kThreadK, true, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
+    softmax_scores<true, kThreadK, true, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, causal_offset,
                                                 m, l, alpha, sc, bias, p.nk, masked);
   } else if (masked) {
-    softmax_scores<true, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, p.causal_offset,
+    softmax_scores<true, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, causal_offset,
                                                  m, l, alpha, sc);
   } else {
-    softmax_scores<false, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal,
-                                                  p.causal_offset, m, l, alpha, sc);
+    softmax_scores<false, kThreadK, false, Order>(acc, ks_s, t, k0, row, q_scale, n_valid, p.causal, causal_offset,
+                                                  m, l, alpha, sc);
   }
   if constexpr (kPV16) {
     pack_weights_f16(sc, pa);

@@ -105,6 +105,13 @@ def mask_problem(args: KernelArgs) -> Optional[str]:
     return attn_mask_problem(args.attn_mask, batch, hq, n_q, args.k.shape[2], args.device)
 
 
+def packed_batch_problem(args: KernelArgs) -> Optional[str]:
+    """None when ``args`` can be a packed ragged batch's operands (sage_compile.varlen): no ΔS, attn_mask or kv_lens."""
+    if args.delta_s is not None or args.attn_mask is not None or args.kv_lens is not None:
+        return "a packed batch has no ΔS, attn_mask or kv_lens"
+    return None
+
+
 def attn_mask_problem(mask: Optional[torch.Tensor], batch: int, hq: int, n_q: int, n_k: int,
                       device: torch.device) -> Optional[str]:
     """``mask_problem`` for an attention of these sizes (the backward's check uses it too)."""

@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 
 from .. import _sm90
-from . import KernelArgs, KernelSite, broadcast_strides, mask_problem
+from . import KernelArgs, KernelSite, broadcast_strides, mask_problem, packed_batch_problem
 
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
+BLOCK_M = _sm90.BLOCK_M  # query rows per CTA
 HEAD_DIMS = tuple(_sm90.HEAD_DIMS)
 QK_TYPES = ("int8", "int4")  # int4 values are stored in int8: the same int8 products
 PV_TYPES = ("fp8", "fp16")
@@ -115,8 +116,9 @@ def _strides(t: Optional[torch.Tensor]):
     return None if t is None else tuple(t.stride())
 
 
-def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync."""
+def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, packed: Optional[dict] = None) -> None:
+    """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync. ``packed``: the
+    sequence bounds of a packed batch (``launch_varlen``)."""
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if batch == 0 or hq == 0 or n_q == 0:
@@ -141,7 +143,33 @@ def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         ctas_per_sm=heuristics(args.site), k_thread_groups=args.scheme.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.scheme.q_block, mask=ptr(args.attn_mask),
         mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=args.scheme.pv == "fp16",
+        **({} if packed is None else {name: ptr(t) if torch.is_tensor(t) else t for name, t in packed.items()}),
     )
+
+
+def varlen_problem(args: KernelArgs) -> Optional[str]:
+    """None when ``launch_varlen`` takes this packed batch (``sage_compile.varlen``'s operands), else why not."""
+    if args.k.shape[2] < BLOCK_N:
+        return f"{args.k.shape[2]} key slots: the packed launch copies by tensor map, which needs at least {BLOCK_N}"
+    return packed_batch_problem(args)
+
+
+def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_first: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One launch over a packed ragged batch (``sage_compile.varlen``; what ``varlen_problem`` accepts): ``args``
+    holds the packed operands as one batch (q [1,Hq,Tq,Dp]; k [1,Hkv,C,Dp], δK [1,Hkv,C] and V̂ᵀ [1,Hkv,Dp,C] in C key
+    slots) with δV / μV per sequence ([S,Hkv,Dp]); sequence s is queries cu_q[s]:cu_q[s+1] and cu_k[s+1] − cu_k[s]
+    keys from slot key_first[s]; causal 1 aligns top-left, 2 bottom-right, per sequence. out [1,Hq,Tq,D] and lse
+    [1,Hq,Tq] are views of the packed outputs. The grid has a CTA per 64-query block of every sequence, plus at
+    most one idle CTA per sequence: its size needs no host sync."""
+    n_seq = cu_q.shape[0] - 1
+    if n_seq == 0 or args.q.shape[2] == 0:
+        return
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    blocks = (cu_q[1:] - cu_q[:-1] + BLOCK_M - 1) // BLOCK_M
+    cu_blk = torch.cat([blocks.new_zeros(1), blocks.cumsum(0, dtype=torch.int32)])
+    launch(args, out, lse, packed=dict(cu_q=cu_q, cu_k=cu_k, key_first=key_first.to(torch.int32), cu_blk=cu_blk,
+                                       n_seq=n_seq))
 
 
 def kernel_info(padded_head_dim: int, k_thread_groups: bool = False, biased: bool = False, pv16: bool = False) -> dict:

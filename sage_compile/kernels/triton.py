@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelArgs, KernelSite, broadcast_strides
+from . import KernelArgs, KernelSite, broadcast_strides, packed_batch_problem
 
 NAME = "triton"
 
@@ -500,6 +500,11 @@ def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, warmup:
     )
 
 
+def varlen_problem(args: KernelArgs) -> Optional[str]:
+    """None when ``launch_varlen`` takes this packed batch, else why not."""
+    return packed_batch_problem(args)
+
+
 def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_first: torch.Tensor,
                   max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor) -> None:
     """One launch over a packed ragged batch (``sage_compile.varlen``): ``args`` holds the packed operands as one
@@ -509,8 +514,9 @@ def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_
     out [1,Hq,Tq,D] and lse [1,Hq,Tq] are views of the packed outputs. No ΔS, attn_mask or kv_lens. The grid has a
     program per query block of every sequence (found by a binary search over ``cu_blk``), plus at most one idle program
     per sequence: its size needs no host sync."""
-    if args.delta_s is not None or args.attn_mask is not None or args.kv_lens is not None:
-        raise ValueError("triton varlen launch: no delta_s, attn_mask or kv_lens")
+    problem = varlen_problem(args)
+    if problem is not None:
+        raise ValueError(f"triton varlen launch: {problem}")
     q, k, v = args.q, args.k, args.v
     _, hq, total_q, dp = q.shape
     hkv, total_k, nkp = k.shape[1], k.shape[2], v.shape[-1]

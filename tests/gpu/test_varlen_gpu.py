@@ -1,10 +1,13 @@
-"""The packed varlen kernel (one Triton launch over every sequence of a ragged batch) on the GPU.
+"""The packed varlen kernels (one launch over every sequence of a ragged batch: Triton, and the sm90 kernel on Hopper)
+on the GPU.
 
 * Each sequence of the launch against the spec's oracle run on that sequence's views of the packed operands, with the
-  kernel's key block: the tolerance of tests/gpu/test_triton_kernel.py's docstring (the same kernel body; only where
-  a program finds its rows and keys changes). Outputs poisoned (NaN) before the launch: every row is written.
+  kernel's key block: the tolerance of tests/gpu/test_triton_kernel.py's docstring (the same kernel bodies as the
+  batched launches; only where a program finds its rows and keys changes). Outputs poisoned (NaN) before the launch:
+  every row is written.
 * Many short sequences, empty ones, int64 cu_seqlens, GQA, causal top-left and bottom-right, D 64 / 128, fp8 and fp16
-  PV, smooth_v; the grid's idle programs write nothing.
+  PV, smooth_v; the grid's idle programs write nothing. The op picks the sm90 kernel on Hopper, Triton where the sm90
+  kernel cannot take the batch (fewer than 128 key slots).
 * The packed Triton prep (what an eager call runs) against the aten prep: Q̂, δQ, V̂, δV and the column layout bit-equal,
   K̂ within one level and δK (per-token and per_thread groups), the LSE shift within summation order (μK's sum and a row-wise dot in another order).
 * sage_attention_varlen end to end against fp32 SDPA per sequence (the quantization error of the batched op).
@@ -13,7 +16,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -22,9 +25,9 @@ if not torch.cuda.is_available():
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import DEV, assert_close_to_oracle  # noqa: E402
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import SageConfig, sage_attention_varlen, spec, varlen  # noqa: E402
+from sage_compile import SageConfig, dispatch, sage_attention_varlen, spec, varlen  # noqa: E402
 from sage_compile.backend import sage_backend  # noqa: E402
-from sage_compile.kernels import KernelArgs  # noqa: E402
+from sage_compile.kernels import KernelArgs, KernelSite  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -40,20 +43,34 @@ def _packed(lens, heads, d, seed, bias=0.0):
     return (torch.randn(sum(lens), heads, d, device=DEV, generator=g) + bias).bfloat16()
 
 
-def _launch(lens_q, lens_k, hq, hkv, d, causal, scheme, seed, cu_dtype=torch.int32):
+def _kernel(name):
+    """The kernel module ``name`` where it runs on this GPU (else the test skips)."""
+    module = dispatch.available_module(f"sage_compile.kernels.{name}")
+    if module is None or module.supports(KernelSite(spec.Scheme(), torch.device(DEV), torch.bfloat16, 128)) is not None:
+        pytest.skip(f"the {name} kernel does not run here")
+    return module
+
+
+def _launch(kernel, lens_q, lens_k, hq, hkv, d, causal, scheme, seed, cu_dtype=torch.int32):
+    """(args, key_first, out, lse) of ``kernel``'s launch on fresh packed inputs; None where it does not take them."""
     q, k, v = _packed(lens_q, hq, d, seed), _packed(lens_k, hkv, d, seed + 1, 1.0), _packed(lens_k, hkv, d, seed + 2)
     cu_q, cu_k = _cu(lens_q, cu_dtype), _cu(lens_k, cu_dtype)
     p = varlen.prepare_packed(q, k, v, cu_q, cu_k, d ** -0.5, scheme)
     args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None, None, None, causal, d,
                       torch.bfloat16, scheme)
+    if kernel.varlen_problem(args) is not None:
+        return None
     out = torch.full((q.shape[0], hq, d), math.nan, dtype=torch.bfloat16, device=DEV)
     lse = torch.full((hq, q.shape[0]), math.nan, dtype=torch.float32, device=DEV)
-    tk.launch_varlen(args, cu_q, cu_k, p.key_first, max(lens_k), out.transpose(0, 1)[None], lse[None])
+    varlen.launch_packed(kernel, args, cu_q, cu_k, p.key_first, max(lens_k), out.transpose(0, 1)[None], lse[None])
     return args, p.key_first.tolist(), out, lse
 
 
-def _check_each_sequence(args, key_first, out, lse, lens_q, lens_k, label):
-    block_n = tk.measured_config(args.q.shape[-1], args.causal != 0, max(lens_k) > 1024).block_n
+def _check_each_sequence(kernel, args, key_first, out, lse, lens_q, lens_k, label):
+    if kernel.NAME == "triton":
+        block_n = kernel.measured_config(args.q.shape[-1], args.causal != 0, max(lens_k) > 1024).block_n
+    else:
+        block_n = kernel.BLOCK_N
     cq = _cu(lens_q).tolist()
     for s in range(len(lens_q)):
         q0, q1 = cq[s:s + 2]
@@ -63,27 +80,71 @@ def _check_each_sequence(args, key_first, out, lse, lens_q, lens_k, label):
                                    f"{label} sequence {s}")
 
 
+@pytest.mark.parametrize("name", ["triton", "sm90"])
 @settings(deadline=None, max_examples=20)
 @given(lens=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 900)), min_size=1, max_size=9),
        causal=st.sampled_from([0, 1, 2]), gqa=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]),
        pv=st.sampled_from(["fp8", "fp16"]), smooth_v=st.booleans(), seed=st.integers(0, 2**16))
-def test_each_sequence_of_one_launch_matches_the_oracle(lens, causal, gqa, d, pv, smooth_v, seed):
+def test_each_sequence_of_one_launch_matches_the_oracle(name, lens, causal, gqa, d, pv, smooth_v, seed):
+    kernel = _kernel(name)
     lens_q, lens_k = [a for a, _ in lens], [b for _, b in lens]
     if sum(lens_q) == 0:
         lens_q[0] = 1
     scheme = spec.Scheme(pv=pv, smooth_v=smooth_v)
-    args, key_first, out, lse = _launch(lens_q, lens_k, 2 * gqa, 2, d, causal, scheme, seed,
-                                      torch.int64 if seed % 2 else torch.int32)
-    _check_each_sequence(args, key_first, out, lse, lens_q, lens_k, f"causal={causal} gqa={gqa} d={d} {pv}")
+    launched = _launch(kernel, lens_q, lens_k, 2 * gqa, 2, d, causal, scheme, seed,
+                       torch.int64 if seed % 2 else torch.int32)
+    assume(launched is not None)  # the sm90 kernel takes batches of at least 128 key slots
+    args, key_first, out, lse = launched
+    _check_each_sequence(kernel, args, key_first, out, lse, lens_q, lens_k,
+                         f"{name} causal={causal} gqa={gqa} d={d} {pv}")
 
 
-def test_long_and_many_sequences():
+@pytest.mark.parametrize("name", ["triton", "sm90"])
+def test_long_and_many_sequences(name):
     """Key blocks of 128 past 1K keys (the long-keys configuration), and 200 sequences of 1–40 tokens (most programs of
     the grid find no rows of their own)."""
+    kernel = _kernel(name)
     for lens_q, lens_k, causal in (([3000, 1500, 77], [3000, 2100, 77], 2),
                                    ([(i * 7) % 40 + 1 for i in range(200)], [(i * 11) % 40 + 1 for i in range(200)], 0)):
-        args, key_first, out, lse = _launch(lens_q, lens_k, 8, 2, 128, causal, spec.Scheme(), seed=len(lens_q))
-        _check_each_sequence(args, key_first, out, lse, lens_q, lens_k, f"{len(lens_q)} sequences")
+        args, key_first, out, lse = _launch(kernel, lens_q, lens_k, 8, 2, 128, causal, spec.Scheme(),
+                                            seed=len(lens_q))
+        _check_each_sequence(kernel, args, key_first, out, lse, lens_q, lens_k, f"{name} {len(lens_q)} sequences")
+
+
+def test_the_op_launches_the_sm90_kernel_on_hopper_and_triton_below_128_key_slots():
+    sm90 = _kernel("sm90")
+    for lens, expected in (([300, 40], sm90.NAME), ([30, 40], "triton")):
+        q, k, v = (_packed(lens, 4, 128, seed) for seed in range(3))
+        p = varlen.prepare_packed(q, k, v, _cu(lens), _cu(lens), 0.1, spec.Scheme())
+        args = KernelArgs(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None, None, None, 0, 128,
+                          torch.bfloat16, spec.Scheme())
+        assert varlen.one_launch_kernel(args).NAME == expected, lens
+
+
+def test_sage_attention_varlen_replays_in_a_cuda_graph():
+    """The packed path reads nothing on the host when cu_seqlens are on the GPU (bounds by a device assert, sizes from
+    shapes and max_seqlen): an eager call captures in a CUDA graph, and replaying it on new values of the same buffers
+    gives that call's output."""
+    lens = [1000, 37, 2000, 0, 555]
+    cu = _cu(lens)
+    q, k, v = _packed(lens, 8, 128, 1), _packed(lens, 4, 128, 2, 1.0), _packed(lens, 4, 128, 3)
+
+    def call():
+        return sage_attention_varlen(q, k, v, cu, cu, max(lens), max(lens), is_causal=True, config=CONFIG)
+
+    call()  # warm-up outside the capture: Triton compiles, the sm90 kernel configures its shared memory
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for seed in (4, 5):
+        for t, fresh in zip((q, k, v), (_packed(lens, 8, 128, seed), _packed(lens, 4, 128, seed + 10, 1.0),
+                                        _packed(lens, 4, 128, seed + 20))):
+            t.copy_(fresh)
+        captured.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, call()), seed
 
 
 @pytest.mark.parametrize("sample,smooth_k,gqa,k_granularity", [
