@@ -4,7 +4,7 @@ torch.distributed (any backend: NCCL on GPUs, gloo on CPUs).
 * ``ring_attention`` — each rank keeps its queries; K/V shards travel round the ring (P2P ``batch_isend_irecv``,
   the next shard in flight while this one is computed) and the partial attentions merge by their LSE
   (``merge_attention``). Causal: shard the sequence with ``shard_sequence(..., causal=True)`` (zigzag: rank r holds
-  chunks r and 2P−1−r of 2P), so every rank does the same work at every step, in one or two calls.
+  chunks r and 2P−1−r of 2P), so every rank does the same work at every step, in one call.
 * ``ulysses_attention`` — an all-to-all turns sequence shards into head shards, each rank runs the whole sequence
   for H/P heads, and a second all-to-all turns it back. Needs Hq and Hkv divisible by P.
 
@@ -67,7 +67,7 @@ def ring_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional
     nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
     prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
     kv = torch.stack([k, v]).contiguous()  # one message per step
-    parts: dict = {}
+    out = lse = None
     for step in range(world):
         requests, incoming = [], None
         if step + 1 < world:
@@ -75,41 +75,44 @@ def ring_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional
             requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
                                                dist.P2POp(dist.irecv, incoming, prv, group)])
         source = (rank - step) % world  # whose K/V shard this is
-        for chunks, (out, lse) in _partials(q, kv[0], kv[1], rank, source, is_causal, scale, enable_gqa, config):
-            for chunk, part in zip(chunks, zip(out.chunk(len(chunks), -2), lse.chunk(len(chunks), -1))):
-                parts.setdefault(chunk, []).append(part)
+        rows, partial = _partial(q, kv[0], kv[1], rank, source, is_causal, scale, enable_gqa, config)
+        out, lse = _merge_rows(out, lse, rows, partial)
         for request in requests:
             request.wait()
         if incoming is not None:
             kv = incoming
-    merged = [merge_attention(parts[c]) for c in sorted(parts)]
-    out = torch.cat([o for o, _ in merged], dim=-2)
-    return (out, torch.cat([lse for _, lse in merged], dim=-1)) if return_lse else out
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
-def _partials(q, k, v, rank, source, causal, scale, enable_gqa, config):
-    """(this rank's query chunks, (out, lse)) for its queries against ``source``'s K/V shard, in as few calls as
-    the causal structure allows — chunks are positions in the shard (0: first half, 1: second half). Not causal:
-    one call. Zigzag causal (rank r holds chunks r and 2P−1−r of 2P): from itself, the low query chunk against the
-    low keys and the high query chunk against both (causal, bottom-right: it sees every low key); from an earlier
-    rank, both query chunks see its low keys in full (its high chunk is in their future); from a later rank, only
-    the high query chunk sees anything — both key chunks, in full."""
+def _partial(q, k, v, rank, source, causal, scale, enable_gqa, config):
+    """(rows of this rank's shard, (out, lse)): its queries against ``source``'s K/V shard in one call. Not causal: all
+    rows, all keys. Zigzag causal (rank r holds chunks r < 2P−1−r of 2P, in that order): from itself, causal
+    top-left over the shard (the low chunk sees its own keys causally, the high chunk every low key and its own
+    causally); from an earlier rank, all rows see its low keys in full (its high chunk is in their future); from a
+    later rank, only the high rows see anything — all of its keys, in full."""
     def attend(queries, keys, values, is_causal):
-        return sage_attention(queries, keys, values, is_causal=is_causal, causal_alignment="bottom_right",
-                              scale=scale, enable_gqa=enable_gqa, config=config, return_lse=True)
+        return sage_attention(queries, keys, values, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                              config=config, return_lse=True)
 
-    if not causal:
-        yield (0,), attend(q, k, v, False)
-        return
-    q_low, q_high = q.chunk(2, dim=-2)
-    k_low, v_low = k.chunk(2, dim=-2)[0], v.chunk(2, dim=-2)[0]
-    if source == rank:
-        yield (0,), attend(q_low, k_low, v_low, True)
-        yield (1,), attend(q_high, k, v, True)
-    elif source < rank:
-        yield (0, 1), attend(q, k_low, v_low, False)
-    else:
-        yield (1,), attend(q_high, k, v, False)
+    every = slice(None)
+    if not causal or source == rank:
+        return every, attend(q, k, v, causal)
+    if source < rank:
+        low = k.shape[-2] // 2
+        return every, attend(q, k[..., :low, :], v[..., :low, :], False)
+    high = slice(q.shape[-2] // 2, None)
+    return high, attend(q[..., high, :], k, v, False)
+
+
+def _merge_rows(out, lse, rows, partial):
+    """The shard's running fp32 output and LSE with ``partial`` (over ``rows``) merged in by LSE; the first partial
+    (this rank's own keys) covers every row."""
+    part_out, part_lse = partial
+    if out is None:
+        return part_out.float(), part_lse
+    out[..., rows, :], lse[..., rows] = merge_attention([(out[..., rows, :], lse[..., rows]), partial])
+    return out, lse
 
 
 def ulysses_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional[float] = None,

@@ -235,10 +235,10 @@ def _folded_mask(q, k, attn_mask, causal, kv_lens):
 def sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens=None):
     """SDPA's output and the log-sum-exp of its scores (the fallback of ``sage.attention_with_lse``, so of every
     partial that ring attention keeps on SDPA). FlashAttention's kernel returns both without forming the N×N scores
-    where it takes the call (``_flash_takes``); anything else — a mask, kv_lens, bottom-right causal, the CPU —
+    where it takes the call (``_flash_takes``); anything else — a mask, kv_lens, causal it does not align so, the CPU —
     computes the log-sum-exp from the full fp32 score matrix, exact but O(Nq·Nk) memory."""
     if _flash_takes(q, k, v, attn_mask, causal, enable_gqa, kv_lens):
-        return _flash_with_lse(q, k, v, scale, causal == spec.CAUSAL_TOP_LEFT)
+        return _flash_with_lse(q, k, v, scale, causal != spec.CAUSAL_NONE)
     out = sdpa_fallback(q, k, v, attn_mask, 0.0, scale, causal, enable_gqa, kv_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kf = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -250,15 +250,19 @@ def sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens=None):
 
 
 def _flash_takes(q, k, v, attn_mask, causal, enable_gqa, kv_lens) -> bool:
-    """Whether ``aten._scaled_dot_product_flash_attention`` can compute this call: on CUDA, no mask or kv_lens, causal
-    none or top-left, nothing empty, and what SDPA's own flash gate asks (fp16/bf16, head dims equal and ≤ 256, a GPU
-    its flash kernel was built for, sm80 on, Hq a multiple of Hkv with enable_gqa, causal only where Nq == Nk: the
-    kernel aligns causal bottom-right, which is top-left only for square scores)."""
-    if q.device.type != "cuda" or attn_mask is not None or kv_lens is not None:
+    """Whether ``aten._scaled_dot_product_flash_attention`` can compute this call: on CUDA, no mask or kv_lens, nothing
+    empty, causal as the kernel aligns it — bottom-right (top-left is the same only for square scores) and with
+    Nq ≤ Nk, so that every row sees a key (the kernel's LSE of a row without one is not SDPA's) — and what SDPA's own
+    flash gate asks (fp16/bf16, head dims equal and ≤ 256, a GPU its flash kernel was built for, sm80 on, Hq a
+    multiple of Hkv with enable_gqa). The gate is asked without causal: it refuses causal for Nq ≠ Nk because F.sdpa
+    means top-left there, which the alignment check above already settles."""
+    if q.device.type != "cuda" or attn_mask is not None or kv_lens is not None or q.numel() == 0 or k.numel() == 0:
         return False
-    if causal not in (spec.CAUSAL_NONE, spec.CAUSAL_TOP_LEFT) or q.numel() == 0 or k.numel() == 0:
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    aligned = {spec.CAUSAL_NONE: True, spec.CAUSAL_TOP_LEFT: n_q == n_k, spec.CAUSAL_BOTTOM_RIGHT: n_q <= n_k}
+    if not aligned.get(causal, False):
         return False
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal == spec.CAUSAL_TOP_LEFT, enable_gqa)
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, enable_gqa)
     return torch.backends.cuda.can_use_flash_attention(params)
 
 

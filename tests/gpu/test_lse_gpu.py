@@ -27,13 +27,13 @@ LSE_ATOL = 1e-4
 OUT_ATOL = 4e-3
 
 
-def _exact_lse(q, k, scale, causal):
-    """The log-sum-exp of the scaled (top-left causal) scores, in fp64 from the 16-bit values."""
+def _exact_lse(q, k, scale, causal=spec.CAUSAL_NONE):
+    """The log-sum-exp of the scaled (causal: aligned as ``causal`` says) scores, in fp64 from the 16-bit values."""
     kd = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = q.double() @ kd.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(~spec.causal_allowed(q.shape[-2], k.shape[-2], spec.CAUSAL_TOP_LEFT, q.device),
-                                    -math.inf)
+    keep = spec.causal_allowed(q.shape[-2], k.shape[-2], causal, q.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
     return torch.logsumexp(scores, dim=-1)
 
 
@@ -69,7 +69,8 @@ def test_flash_lse_is_the_exact_logsumexp_and_out_is_sdpas(hq, hkv, n, d, causal
     assert len(flash_calls) == 1
     assert torch._dynamo.utils.counters["sage"]["sdpa_by_threshold"] == 1
     assert lse.shape == (2, hq, n) and lse.dtype == torch.float32
-    torch.testing.assert_close(lse, _exact_lse(q, k, d ** -0.5, causal).float(), atol=LSE_ATOL, rtol=0)
+    torch.testing.assert_close(lse, _exact_lse(q, k, d ** -0.5, spec.CAUSAL_TOP_LEFT if causal else spec.CAUSAL_NONE)
+                               .float(), atol=LSE_ATOL, rtol=0)
     assert out.shape == expected.shape and out.dtype == dtype
     torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=1.6e-2)
 
@@ -80,7 +81,22 @@ def test_scale_is_the_callers(flash_calls):
     with torch.no_grad():
         _, lse = ops.sdpa_with_lse(q, k, v, None, 0.3, spec.CAUSAL_NONE, False)
     assert len(flash_calls) == 1
-    torch.testing.assert_close(lse, _exact_lse(q, k, 0.3, False).float(), atol=LSE_ATOL, rtol=0)
+    torch.testing.assert_close(lse, _exact_lse(q, k, 0.3).float(), atol=LSE_ATOL, rtol=0)
+
+
+def test_bottom_right_causal_with_fewer_queries_is_flashs(flash_calls):
+    """The kernel aligns causal bottom-right: such a call with Nq ≤ Nk (every row sees a key; what a causal ring's
+    high query chunk asks of its two key chunks) runs there, with the exact LSE and masked SDPA's output."""
+    q, k, v = (t.to(DEV) for t in random_qkv(2, 4, 2, 300, 700, 128, seed=11))
+    _skip_without_flash(q, k, v, spec.CAUSAL_BOTTOM_RIGHT, True)
+    keep = spec.causal_allowed(300, 700, spec.CAUSAL_BOTTOM_RIGHT, DEV)
+    with torch.no_grad():
+        out, lse = ops.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_BOTTOM_RIGHT, True)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    assert len(flash_calls) == 1
+    torch.testing.assert_close(lse, _exact_lse(q, k, 128 ** -0.5, spec.CAUSAL_BOTTOM_RIGHT).float(), atol=LSE_ATOL,
+                               rtol=0)
+    torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=1.6e-2)
 
 
 def test_long_sequence_never_forms_the_scores(flash_calls):
@@ -110,14 +126,14 @@ def test_a_nan_query_row_gives_a_nan_lse_row(flash_calls):
     assert lse.isnan().sum() == 1
 
 
-@pytest.mark.parametrize("case", ["causal-nq<nk", "bottom-right", "bool-mask", "kv_lens", "fp32"])
+@pytest.mark.parametrize("case", ["causal-nq<nk", "bottom-right-nq>nk", "bool-mask", "kv_lens", "fp32"])
 def test_flash_does_not_take_what_it_cannot_run_as_asked(case):
-    """Flash aligns causal bottom-right, so a top-left causal call with Nq ≠ Nk must not reach it; masks, kv_lens
-    and fp32 are not its inputs."""
-    n_q = 100 if case == "causal-nq<nk" else 128
+    """Flash aligns causal bottom-right, so a top-left causal call with Nq ≠ Nk must not reach it, nor a bottom-right
+    one with rows that see no key (Nq > Nk); masks, kv_lens and fp32 are not its inputs."""
+    n_q = {"causal-nq<nk": 100, "bottom-right-nq>nk": 200}.get(case, 128)
     q, k, v = (t.to(DEV) for t in random_qkv(1, 2, 2, n_q, 128, 64, seed=7))
-    causal = {"causal-nq<nk": spec.CAUSAL_TOP_LEFT, "bottom-right": spec.CAUSAL_BOTTOM_RIGHT}.get(case,
-                                                                                                   spec.CAUSAL_NONE)
+    causal = {"causal-nq<nk": spec.CAUSAL_TOP_LEFT, "bottom-right-nq>nk": spec.CAUSAL_BOTTOM_RIGHT}.get(
+        case, spec.CAUSAL_NONE)
     mask = torch.ones(n_q, 128, dtype=torch.bool, device=DEV).tril() if case == "bool-mask" else None
     kv_lens = torch.tensor([90], device=DEV, dtype=torch.int32) if case == "kv_lens" else None
     if case == "fp32":
