@@ -2,9 +2,9 @@
 torch.distributed (any backend: NCCL on GPUs, gloo on CPUs).
 
 * ``ring_attention`` — each rank keeps its queries; K/V shards travel round the ring (P2P ``batch_isend_irecv``,
-  the next shard in flight while this one is computed) and the partial attentions merge by their LSE
-  (``merge_attention``). Causal: shard the sequence with ``shard_sequence(..., causal=True)`` (zigzag: rank r holds
-  chunks r and 2P−1−r of 2P), so every rank does the same work at every step, in one call.
+  the next shard in flight while this one is computed) and the partial attentions merge by their LSE (as
+  ``merge_attention`` merges, in place). Causal: shard the sequence with ``shard_sequence(..., causal=True)``
+  (zigzag: rank r holds chunks r and 2P−1−r of 2P), so every rank does the same work at every step, in one call.
 * ``ulysses_attention`` — an all-to-all turns sequence shards into head shards, each rank runs the whole sequence
   for H/P heads, and a second all-to-all turns it back. Needs Hq and Hkv divisible by P.
 
@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .api import merge_attention, sage_attention
+from .api import sage_attention
 from .config import SageConfig
 
 
@@ -81,7 +81,6 @@ def ring_attention(q, k, v, group=None, is_causal: bool = False, scale: Optional
             request.wait()
         if incoming is not None:
             kv = incoming
-    out = out.to(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -106,12 +105,18 @@ def _partial(q, k, v, rank, source, causal, scale, enable_gqa, config):
 
 
 def _merge_rows(out, lse, rows, partial):
-    """The shard's running fp32 output and LSE with ``partial`` (over ``rows``) merged in by LSE; the first partial
-    (this rank's own keys) covers every row."""
+    """The shard's running output and LSE with ``partial`` (over ``rows``) merged in by LSE, in place: out = out·w +
+    part·w' with w = e^(lse − lse'), w' = e^(part_lse − lse'), lse' = log(e^lse + e^part_lse) — each product formed in
+    fp32 and rounded once to out's dtype (two passes over the rows, no fp32 copy of the shard); a side whose row saw no
+    key (lse −inf) weighs 0. The first partial (this rank's own keys) covers every row."""
     part_out, part_lse = partial
     if out is None:
-        return part_out.float(), part_lse
-    out[..., rows, :], lse[..., rows] = merge_attention([(out[..., rows, :], lse[..., rows]), partial])
+        return part_out, part_lse
+    merged = torch.logaddexp(lse[..., rows], part_lse)
+    keep, add = (torch.where(side == float("-inf"), 0.0, torch.exp(side - merged)).unsqueeze(-1)
+                 for side in (lse[..., rows], part_lse))
+    out[..., rows, :].mul_(keep).addcmul_(part_out, add)
+    lse[..., rows] = merged
     return out, lse
 
 

@@ -81,6 +81,31 @@ def _free_port():
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@settings(deadline=None, max_examples=25)
+@given(seed=st.integers(0, 2**16), n_k=st.integers(1, 200), cut=st.integers(1, 199), row0=st.integers(0, 40))
+def test_the_rings_in_place_merge_is_merge_attentions(seed, n_k, cut, row0):
+    """distributed._merge_rows (the ring's in-place merge into rows of a bf16 output) equals merge_attention within
+    its two bf16 roundings, rows that see no key on either side included (bottom-right causal with Nq > Nk leaves
+    some), and leaves the other rows alone."""
+    from sage_compile.distributed import _merge_rows
+
+    cut = min(cut, n_k)
+    q, k, v = random_qkv(1, 2, 2, 60, n_k, 64, seed=seed)
+    first = sage_attention(q, k[:, :, :cut], v[:, :, :cut], is_causal=True, causal_alignment="bottom_right",
+                           config=CONFIG, return_lse=True)
+    rows = slice(row0, None)
+    second = sage_attention(q[:, :, rows], k[:, :, cut:], v[:, :, cut:], is_causal=True,
+                            causal_alignment="bottom_right", config=CONFIG, return_lse=True)
+    expected_out, expected_lse = merge_attention([(first[0][:, :, rows], first[1][:, :, rows]), second])
+    out, lse = _merge_rows(first[0].clone(), first[1].clone(), rows, second)
+    assert torch.equal(out[:, :, :row0], first[0][:, :, :row0])
+    assert torch.equal(lse[:, :, :row0], first[1][:, :, :row0])
+    finite = expected_lse.isfinite()
+    assert torch.equal(lse[:, :, rows].isfinite(), finite)
+    assert torch.allclose(lse[:, :, rows][finite], expected_lse[finite], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[:, :, rows], expected_out, atol=2 * 2**-8, rtol=2 * 2**-8)  # two bf16 roundings
+
+
 def test_ring_and_ulysses_over_two_processes_equal_one_process():
     """torchrun --nproc-per-node 2 tests/distributed_check.py: ring attention (plain and causal zigzag, GQA, LSE)
     within the quantization error of one process's sage_attention, Ulysses bit for bit, its gradients too."""
