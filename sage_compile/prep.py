@@ -119,11 +119,13 @@ def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = Fa
     """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what an eager
     call runs on CUDA instead of spec.prepare's chain of aten ops (each a pass over q or k); only for what
     ``fast_path_reason`` accepts. Bit-equal to spec.prepare up to the summation order of μK."""
+    from .kernels import prep_triton
+
     with _plain_launches():
         p, k_mean = _fused_prepare(q, k, v, (), (), scale, quant, direct=True)
-    if want_lse:
-        p.lse_shift = spec.lse_shift(q, k_mean, scale) if k_mean is not None else q.new_zeros(q.shape[:-1],
-                                                                                                dtype=torch.float32)
+        if want_lse:
+            p.lse_shift = (prep_triton.lse_shift(q, k_mean, scale) if k_mean is not None
+                           else q.new_zeros(q.shape[:-1], dtype=torch.float32))
     return p
 
 

@@ -396,6 +396,22 @@ def _v_quantize_kernel(v_ptr, svb, svh, svn, svd, amax_ptr, delta_ptr, out_ptr, 
              y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=(rows < N_PAD)[:, None])
 
 
+@triton.jit
+def _lse_shift_kernel(x_ptr, sxb, sxh, sxn, sxd, mu_ptr, out_ptr, H, GROUPS, N, scale,
+                      D: tl.constexpr, BLOCK: tl.constexpr):
+    """out[bh, rows] = scale·Σ_d x[b, h, row, d]·μK[b, h // GROUPS, d] in fp32 (spec.lse_shift), one tile of rows."""
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, D)
+    mu = tl.load(mu_ptr + (b * (H // GROUPS) + h // GROUPS) * D + cols)
+    rows = tile * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + b * sxb + h * sxh + rows[:, None] * sxn + cols[None, :] * sxd, mask=(rows < N)[:, None],
+                other=0.0).to(tl.float32)
+    tl.store(out_ptr + bh * N + rows, tl.sum(x * mu[None, :], axis=1) * scale, mask=rows < N)
+
+
 def _x_args(x: torch.Tensor, interleaved: bool = False) -> list:
     """x and its strides; ``interleaved``: counted in channel pairs, for _deinterleaved's one-word pair reads (x
     copied first where its pairs are not whole words: channels not contiguous, an odd stride or offset)."""
@@ -515,3 +531,18 @@ def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, 
     tiling = heuristics("v_quantize", d)
     wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, tiling.block))](
         *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=tiling.block, num_warps=tiling.warps)
+
+
+LSE_SHIFT_BLOCK, LSE_SHIFT_WARPS = 64, 4  # not swept: one read of q, a fraction of the prep
+
+
+def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """``spec.lse_shift`` (scale·q·μK per row, fp32 [B,Hq,N]; k_mean [B,Hkv,1,D] fp32) in one read of q, no fp32
+    copy of it (equal to the spec within fp32 summation order)."""
+    batch, heads, n, d = q.shape
+    mu = k_mean.reshape(batch, -1, d).float().contiguous()
+    out = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
+    wrap_triton(_lse_shift_kernel)[(batch * heads, triton.cdiv(n, LSE_SHIFT_BLOCK))](
+        *_x_args(q), mu, out, heads, heads // mu.shape[1], n, float(scale), D=d, BLOCK=LSE_SHIFT_BLOCK,
+        num_warps=LSE_SHIFT_WARPS)
+    return out

@@ -381,3 +381,18 @@ def test_eager_sage_attention_runs_the_fused_prep(causal, k_granularity, gqa):
                                                                              config=config), backend="inductor")
         compiled(q, k, v)
         assert counters["sage"]["eager_fused_prep"] == 0
+
+
+@pytest.mark.parametrize("hkv,d", [(8, 128), (2, 64)])
+def test_the_lse_shift_kernel_is_the_specs(hkv, d):
+    """prep_triton.lse_shift (the eager return_lse path's scale·q·μK, one read of q) equals spec.lse_shift within fp32
+    summation order, for q laid out [B, N, H, D] (strided heads) and GQA; a NaN in a q row makes that row's shift NaN."""
+    from sage_compile.kernels import prep_triton
+
+    g = torch.Generator(device=DEV).manual_seed(d)
+    q = torch.randn(2, 700, 8, d, generator=g, device=DEV).bfloat16().transpose(1, 2)
+    q[1, 3, 500, 7] = float("nan")
+    k_mean = torch.randn(2, hkv, 1, d, generator=g, device=DEV) * 4
+    got, expected = prep_triton.lse_shift(q, k_mean, 0.3), spec.lse_shift(q, k_mean, 0.3)
+    assert torch.equal(got.isnan(), expected.isnan()) and int(got.isnan().sum()) == 1
+    torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=1e-5, atol=1e-5)
