@@ -3,8 +3,9 @@
 Same function as the spec's oracle with ``block_n = BLOCK_N`` (128), computed like the Triton kernel's FAST path.
 It runs schemes with int8 or int4 QK (int4 values are stored in int8: the same products), any Q / K granularity
 (per_thread δK through its own instantiations), K and V smoothing, ΔS (smooth_q), e4m3 or fp16 PV, an ``attn_mask``
-(bool or fp32, any strides), causal in both alignments, GQA, kv_lens, LSE. Sites it does not cover — head dims other
-than 64/128 after padding — get a reason from ``supports`` and the dispatcher moves on to the Triton kernel.
+(bool or fp32, any strides), causal in both alignments, GQA, kv_lens, LSE, and packed ragged batches in one launch
+(``launch_varlen``). Sites it does not cover — head dims other than 64/128 after padding — get a reason from
+``supports`` and the dispatcher moves on to the Triton kernel.
 Importing fails when the extension is not built.
 """
 from __future__ import annotations
