@@ -70,12 +70,7 @@ MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass o
 # D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never at D=64
 # (8K not measured).
 MEASURED_COMPILED_STANDALONE = MEASURED_STANDALONE  # per-token K: the same entries as eager
-MEASURED_COMPILED_STANDALONE_PER_THREAD_K = {
-    (9, 128, False): 16384,
-    (9, 128, True): 16384,
-    (9, 64, False): 16384,
-    (9, 64, True): 16384,
-}
+MEASURED_COMPILED_STANDALONE_PER_THREAD_K = dict.fromkeys(MEASURED_STANDALONE_PER_THREAD_K, 16384)  # from 16K everywhere
 MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compiled sites with no producer to fuse"
 
 
