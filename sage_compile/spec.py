@@ -92,7 +92,7 @@ REFERENCE_BLOCK_N = 64  # key block of the reference's online softmax (the CPU k
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 CAUSAL_NAMES = {CAUSAL_NONE: "none", CAUSAL_TOP_LEFT: "top_left", CAUSAL_BOTTOM_RIGHT: "bottom_right"}
 
-PV_DTYPES = {name: t.storage for name, t in PV_TYPES.items()}
+PV_DTYPES = {name: t.storage for name, t in PV_TYPES.items() if t.channel_block is None}  # rounded by a cast
 # Step 1's μK from a fixed sample of keys where there are more than ``k_mean_sample``: any μ is exact after
 # dequantization (q·μ is the same for every key of a row, and softmax ignores it; the LSE shift uses the same μ), so
 # μ only centres K's quantization range, and S keys estimate the channel means to σ/√S. Sample i is key ⌊u_i·n⌋

@@ -253,3 +253,20 @@ def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
 def test_k_mean_sample_must_be_a_count():
     with pytest.raises(ValueError, match="k_mean_sample"):
         spec.Scheme(k_mean_sample=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# NVFP4 (qk = pv = "fp4").
+# --------------------------------------------------------------------------------------------------------------
+FP4 = spec.Scheme(qk="fp4", pv="fp4")
+
+
+def test_fp4_is_one_rung_for_both_products():
+    with pytest.raises(ValueError, match="pv='fp4' too"):
+        spec.Scheme(qk="fp4")
+    with pytest.raises(ValueError, match="qk='fp4' too"):
+        spec.Scheme(pv="fp4")
+    assert spec.Scheme.decode(FP4.encode()) == FP4 and FP4.fp4
+    assert FP4.scale_shape(2, 3, 5, 64) == (2, 3, 5) and FP4.block_scale_shape(2, 3, 5, 64) == (2, 3, 5, 4)
+    assert spec.Scheme().block_scale_shape(2, 3, 5, 64) is None
+    assert spec.Scheme(qk="fp4", pv="fp4", smooth_q=True, k_granularity="per_block").fp4  # the other fields combine
