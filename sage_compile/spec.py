@@ -470,7 +470,7 @@ def prepare_v_fp4(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor
     vf, v_mean, amax = _v_operand(v, quant, kv_lens)
     v_t = torch.nn.functional.pad(vf.transpose(-1, -2), (0, 0, 0, pad))
     v4, block_scale, v_delta = quantize_nvfp4(v_t, _pad_last(amax, pad))
-    return v4, block_scale, v_delta, v_mean
+    return v4.contiguous(), block_scale.contiguous(), v_delta, v_mean  # elementwise ops kept v's transposed strides
 
 
 def _v_operand(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor]):

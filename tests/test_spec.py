@@ -355,6 +355,22 @@ def test_nvfp4_blocks_that_underflow_or_hold_zeros_quantize_to_zero():
     assert values[2, 5] == -6 * 448 and (values[2].count_nonzero() == 1)
 
 
+@pytest.mark.parametrize("n_k", [64, 70])
+def test_nvfp4_prepare_lays_out_the_contract(n_k):
+    """Packed codes and E4M3 block scales in the contract's shapes, contiguous (V̂ᵀ too, whether or not its keys needed
+    padding: the kernels read its packed keys with unit stride)."""
+    q, k, v = random_qkv(2, 4, 2, 33, n_k, 80, seed=2, layout="bnhd")
+    p = spec.prepare(q, k, v, 0.125, FP4)
+    keys = -(-n_k // 16) * 16
+    expected = dict(q=(2, 4, 33, 64), k=(2, 2, n_k, 64), v=(2, 2, 128, keys // 2), q_block_scale=(2, 4, 33, 8),
+                    k_block_scale=(2, 2, n_k, 8), v_block_scale=(2, 2, 128, keys // 16), q_scale=(2, 4, 33),
+                    k_scale=(2, 2, n_k), v_scale=(2, 2, 128))
+    for name, shape in expected.items():
+        t = getattr(p, name)
+        assert tuple(t.shape) == shape and t.is_contiguous(), (name, t.shape, t.stride())
+    assert p.q.dtype == p.k.dtype == p.v.dtype == torch.uint8 and p.v_block_scale.dtype == torch.float8_e4m3fn
+
+
 def test_nvfp4_prepare_keeps_the_special_value_rules():
     """A NaN in q or k poisons its token's δ (NaN) with a zero payload; a NaN in v its channel's δV; keys past kv_lens
     set no δ and never put a NaN in a payload or a block scale (spec.py, special values)."""
