@@ -137,8 +137,8 @@ def test_doctor_lists_kernels_and_each_devices_choice(capsys):
     out = capsys.readouterr().out
     assert "  cpu        built" in out
     for head_dim in (64, 128):
-        for pv in ("fp8", "fp16"):
-            line = next(l for l in out.splitlines() if l.startswith(f"cpu: bf16, head dim {head_dim}, pv={pv} → "))
+        for scheme in ("pv=fp8", "pv=fp16", "qk=pv=fp4"):
+            line = next(l for l in out.splitlines() if l.startswith(f"cpu: bf16, head dim {head_dim}, {scheme} → "))
             assert line.endswith("→ the cpu kernel"), line
     if not torch.cuda.is_available():
         assert "no CUDA device" in out and "not importable" not in out

@@ -5,7 +5,9 @@ Each family module exposes:
 * ``supports(site: KernelSite) -> str | None`` — pure, in terms of the scheme, device, dtype and head dim:
   None when the family runs such a site, else the reason (explain and doctor show it);
 * ``accepts(args: KernelArgs) -> str | None`` — what only the real tensors tell (strides, alignment, sizes);
-* ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks.
+* ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks;
+* optionally ``emulation(site: KernelSite) -> str | None`` — why the family computes a site in a format the device
+  has no instructions for (NVFP4 off Blackwell), or None: the dispatcher warns once and explain says so.
 ``sage_compile.dispatch`` picks the first family, in ``KERNEL_MODULES`` order, whose ``supports`` and ``accepts``
 both pass; ``run(module, args, out, lse)`` below runs one family directly, with every check.
 """
@@ -74,6 +76,16 @@ class KernelArgs:
     def site(self) -> KernelSite:
         return KernelSite(self.scheme, self.q.device, self.out_dtype, self.padded_head_dim, self.causal,
                           self.attn_mask is not None)
+
+
+# Compute capability majors with FP4 tensor cores (sm100/sm103, sm120/sm121: Blackwell), where NVFP4 runs natively.
+NATIVE_FP4_MAJORS = (10, 12)
+
+
+def native_fp4(device: torch.device) -> bool:
+    """Whether ``device`` multiplies NVFP4 (E2M1 with E4M3 16-element block scales) in its tensor cores; elsewhere
+    the fp4 rung is an emulation, run for its numerics."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in NATIVE_FP4_MAJORS
 
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
