@@ -332,6 +332,48 @@ def test_nan_in_one_query_row_stays_in_that_row(causal, qk):
     assert out.isfinite().all() and lse.isfinite().all()
 
 
+@pytest.mark.parametrize("d", [16, 32])
+def test_nvfp4_channels_widened_give_the_same_bits(d):
+    """kernels.widen_fp4_channels — how the Triton kernel runs NVFP4 head dims padded to 32, in 64-channel tiles
+    (kernels/triton.py, FP4_MIN_TILE_DP) —: the widened operands pass the contract and give the same out and lse, bit
+    for bit (kv_lens, μV, bottom-right causal); it widens only fp4, to a wider multiple of 16."""
+    q, k, v = random_qkv(2, 4, 2, 70, 90, d, seed=d)
+    kv_lens = torch.tensor([90, 41], dtype=torch.int32)
+    args = _prepared_args(q, k, v, spec.Scheme(qk="fp4", pv="fp4", smooth_v=True), 2, torch.float32, kv_lens)
+    wide = kernels.widen_fp4_channels(args, 64)
+    assert wide.padded_head_dim == 64 and wide.q.shape[-1] == wide.k.shape[-1] == 32 and wide.v.shape[2] == 64
+    assert wide.q_block_scale.dtype == torch.float8_e4m3fn and wide.q_block_scale.shape[-1] == 4
+    out, lse = _run_cpu(args)
+    wide_out, wide_lse = _run_cpu(wide)
+    assert torch.equal(out, wide_out) and torch.equal(lse, wide_lse)
+    for bad_args, width in ((args, 40), (args, 16), (_prepared_args(q, k, v, spec.Scheme(), 0, torch.float32), 64)):
+        with pytest.raises(ValueError, match="widen_fp4_channels"):
+            kernels.widen_fp4_channels(bad_args, width)
+
+
+def test_the_triton_kernel_runs_nvfp4_small_head_dims_in_64_channel_tiles(monkeypatch):
+    """The launch arguments (nothing runs: the kernel is replaced by a spy; needs triton importable): NVFP4 at D 16
+    and 32 gets HEAD_DP 64 and operands widened to match; the 8-bit rung keeps its own padded head dim."""
+    tk = pytest.importorskip("sage_compile.kernels.triton")
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((kw["HEAD_DP"], a[0].shape[-1], a[2].shape[2], kw["FP4"]))
+
+    monkeypatch.setattr(tk, "_attn_fwd", Spy())
+    monkeypatch.setattr(tk, "_capability", lambda device: (9, 0))
+    for d, quant, expected in ((16, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (32, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (64, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (32, spec.Scheme(), (32, 32, 32, False))):
+        q, k, v = random_qkv(1, 2, 1, 8, 20, d, seed=0)
+        args = _prepared_args(q, k, v, quant, 0, torch.bfloat16)
+        out = torch.empty(1, 2, 8, d, dtype=torch.bfloat16)
+        tk.launch(args, out, torch.empty(1, 2, 8))
+        assert launches[-1] == expected, (d, quant.qk)
+
+
 def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
     """t's values in another layout: dimensions stored in order `perm`, every other element skipped."""
     stored = t.permute(*perm)

@@ -14,7 +14,7 @@ both pass; ``run(module, args, out, lse)`` below runs one family directly, with 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -86,6 +86,32 @@ def native_fp4(device: torch.device) -> bool:
     """Whether ``device`` multiplies NVFP4 (E2M1 with E4M3 16-element block scales) in its tensor cores; elsewhere
     the fp4 rung is an emulation, run for its numerics."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in NATIVE_FP4_MAJORS
+
+
+def widen_fp4_channels(args: KernelArgs, padded_head_dim: int) -> KernelArgs:
+    """NVFP4 ``args`` with their channels zero-padded from Dp to ``padded_head_dim``: Q̂'s and K̂'s codes and block
+    scales along their last dim, V̂ᵀ's codes and block scales along its channel dim, δV and μV too. A zero block scale
+    zeroes its block, so a padded channel adds nothing to any score and holds 0 in the output accumulator; out keeps
+    the first head_dim channels: the same out and lse, bit for bit (tests/test_cpu_kernel.py). For a kernel that runs
+    wider channel tiles than a head dim pads to (kernels/triton.py, FP4_MIN_TILE_DP)."""
+    from .. import spec
+
+    pad = padded_head_dim - args.padded_head_dim
+    if not args.scheme.fp4 or pad < 0 or pad % spec.FP4_BLOCK:
+        raise ValueError(f"widen_fp4_channels: NVFP4 args (qk={args.scheme.qk!r}) from Dp={args.padded_head_dim} to "
+                         f"{padded_head_dim}: expected qk='fp4' and a wider multiple of 16")
+
+    def pad_bytes(t, last):  # e4m3 padded through its bytes; ``last``: the pad of each dim from the last one
+        return torch.nn.functional.pad(t.view(torch.uint8), last).view(t.dtype)
+
+    def vector(t):  # δV, μV [B, Hkv, Dp]
+        return None if t is None else torch.nn.functional.pad(t, (0, pad))
+
+    return replace(args, q=pad_bytes(args.q, (0, pad // 2)), k=pad_bytes(args.k, (0, pad // 2)),
+                   q_block_scale=pad_bytes(args.q_block_scale, (0, pad // 16)),
+                   k_block_scale=pad_bytes(args.k_block_scale, (0, pad // 16)),
+                   v=pad_bytes(args.v, (0, 0, 0, pad)), v_block_scale=pad_bytes(args.v_block_scale, (0, 0, 0, pad)),
+                   v_scale=vector(args.v_scale), v_mean=vector(args.v_mean))
 
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never

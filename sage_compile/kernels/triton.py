@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import KernelArgs, KernelSite, broadcast_strides, native_fp4
+from . import KernelArgs, KernelSite, broadcast_strides, native_fp4, widen_fp4_channels
 from .prep_triton import _div_rn
 
 NAME = "triton"
@@ -552,6 +552,14 @@ FP4_CONFIG = Config(64, 64, 4, 2)
 # and sm120's block-scaled MMA spans 64 channels, so a head dim padded to 32 does too.
 DOT_SCALED_MAJORS = (12,)
 DOT_SCALED_MIN_HEAD_DIM = 64
+# The narrowest channel tile the NVFP4 kernel runs: a head dim padded to 32 is widened to 64 zero channels on the host
+# (kernels.widen_fp4_channels; same result, bit for bit). At a 32-channel tile the emulation's fp16 dots — operands
+# dequantized in registers and staged through shared memory for wgmma: an m64n32k16 PV product, a K = 32 QK product —
+# made triton 3.6's sm90 code fault with "an illegal memory access" on the H100 (tests/gpu/test_triton_fp4.py, D 16
+# and 32), though every global access is in bounds (so says the interpreter, bounds-checked); upstream reports the
+# same for Hopper kernels with several dots over a 32-wide tile (triton-lang/triton#10486, #10573, #11366). The
+# 64-channel kernel ran clean there.
+FP4_MIN_TILE_DP = 64
 
 
 def supports(site: KernelSite) -> Optional[str]:
@@ -632,6 +640,8 @@ def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, config: Optio
 def _launch(args: KernelArgs, out, lse, cfg: Config, cap, use_tma: bool, native: bool = False, warmup: bool = False):
     """Launch (or, with warmup=True, only compile) the kernel; ``cap`` is the target's capability, ``native``: NVFP4
     on FP4 tensor cores."""
+    if args.scheme.fp4 and args.padded_head_dim < FP4_MIN_TILE_DP:
+        args = widen_fp4_channels(args, FP4_MIN_TILE_DP)
     q, k, v = args.q, args.k, args.v
     batch, hq, n_q, _ = q.shape
     dp = args.padded_head_dim
