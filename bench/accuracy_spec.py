@@ -3,10 +3,10 @@
 per token, per thread group and per 64-key block: which configuration meets the accuracy bar (cos ≥ 0.9995,
 relL1 ≤ 0.03) before any GPU rounding enters. The GPU kernels agree with this reference to ~1e-4 relative.
 
-Also designs not in the spec, emulated in float64 (rows "study: ..."): INT8 PV at the FP8 MMA rate, on the spec's
-own Q̂/K̂ — P̂ = u8(255·exp2(S − m_block)) per row and 64-key block, V̂ = s8 per channel, exact integer products —;
-NVFP4 for both products (SageAttention3's microscaling FP4: E2M1 values in 16-element blocks with E4M3 scales, a
-per-row scale on P̃ first); and, for the outlier mix's error, V's quantization alone with exact P.
+The NVFP4 rung (qk = pv = "fp4": SageAttention3's microscaling FP4, spec.quantize_nvfp4) is one of the rows. Also
+designs not in the spec, emulated in float64 (rows "study: ..."): INT8 PV at the FP8 MMA rate, on the spec's own Q̂/K̂
+— P̂ = u8(255·exp2(S − m_block)) per row and 64-key block, V̂ = s8 per channel, exact integer products —; and, for the
+outlier mix's error, V's quantization alone with exact P.
 
     python -m sage_compile bench accuracy [--record]   → a table; docs/results/accuracy_cpu.json with --record
     python -m sage_compile bench accuracy --k-mean-sample   → μK from S = 0 (all keys), 64, 256, 512, 1024 keys,
@@ -35,6 +35,7 @@ CONFIGS = (  # label → scheme fields (the rest the defaults: K per_thread)
     ("pv=fp16, K per-token", dict(pv="fp16", k_granularity="per_token")),
     ("pv=fp8, K per-token", dict(k_granularity="per_token")),
     ("pv=fp8, K per_block64", dict(k_granularity="per_block", k_block=64)),
+    ("qk=pv=fp4 (NVFP4)", dict(qk="fp4", pv="fp4")),
 )
 
 
@@ -63,42 +64,6 @@ def int8_pv_study(q, k, v, block_n=64):
         o = o * alpha[..., None] + (p_hat @ vq[..., start:start + block_n, :]) * (torch.exp2(m_blk - m_new) / 255)[..., None]
         m = m_new
     return (o / l[..., None] * dv).to(q.dtype)
-
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)  # FP4 magnitudes
-
-
-def nvfp4(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x (float64) through NVFP4 and back: blocks of 16 along ``dim``, each an E4M3 scale times E2M1 values, the
-    block scales relative to one FP32 scale per tensor (amax / (448·6), so every block scale fits E4M3's range);
-    values rounded to the nearest E2M1 magnitude (ties to the even mantissa, as the hardware rounds), scales rounded
-    to E4M3."""
-    x = x.movedim(dim, -1)
-    size = x.shape[-1]
-    blocks = torch.nn.functional.pad(x, (0, -size % 16)).unflatten(-1, (-1, 16))
-    tensor_scale = (x.abs().amax() / (448 * 6)).clamp_min(1e-30)
-    block_scale = (blocks.abs().amax(-1, keepdim=True) / 6 / tensor_scale).float().to(torch.float8_e4m3fn).double()
-    scale = (block_scale * tensor_scale).clamp_min(1e-30)
-    magnitude = (blocks.abs() / scale).clamp_max(6.0)
-    even = torch.arange(len(E2M1)) % 2 == 0  # 0, 1, 2, 4: mantissa bit 0
-    index = ((magnitude[..., None] - E2M1).abs() - 1e-9 * even).argmin(-1)  # nearest; a tie goes to the even one
-    values = E2M1[index] * blocks.sign()
-    return (values * scale).flatten(-2)[..., :size].movedim(-1, dim)
-
-
-def nvfp4_study(q, k, v):
-    """SageAttention3's microscaling FP4 on float64 emulation: K smoothed (μK over all keys), Q̃ and K̃ in NVFP4 along
-    the head dim; P̃ = exp(S − rowmax) scaled per row by 448·6 / rowmax(P̃) (the two-level scale: its 16-key block
-    scales then use E4M3's range) and put through NVFP4 along the keys; V in NVFP4 along the tokens (the P·V
-    reduction); O = (P̂ V̂) / (row scale · l) with l the unquantized row sum."""
-    qf, kf, vf = q.double(), k.double(), v.double()
-    kf = kf - kf.mean(-2, keepdim=True)
-    s = (nvfp4(qf, -1) @ nvfp4(kf, -1).transpose(-1, -2)) * q.shape[-1] ** -0.5
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    l = p.sum(-1, keepdim=True)
-    row_scale = 448 * 6 / p.amax(-1, keepdim=True)
-    out = nvfp4(p * row_scale, -1) @ nvfp4(vf, -2) / (row_scale * l)
-    return out.to(q.dtype)
 
 
 def v_alone_study(q, k, v):
@@ -175,8 +140,6 @@ def main(argv=None):
                                                                          ref)))
         rows.append(dict(dist=name, config="study: pv=int8 (u8 P per block row max, s8 V per channel)",
                          **accuracy_metrics(int8_pv_study(q, k, v), ref)))
-        rows.append(dict(dist=name, config="study: NVFP4 QK and PV (16-element blocks, E4M3 scales)",
-                         **accuracy_metrics(nvfp4_study(q, k, v), ref)))
         for label, out in v_alone_study(q, k, v).items():
             rows.append(dict(dist=name, config=label, **accuracy_metrics(out.to(torch.bfloat16), ref)))
     paths = recording.save("accuracy", _result(rows, bar=dict(cos=0.9995, rel_l1=0.03)), opts)

@@ -11,8 +11,7 @@ def doctor(_args) -> int:
     """What runs on this machine: the kernel families built, and the one each device's attention gets."""
     import torch
 
-    from . import dispatch, spec
-    from .kernels import KernelSite
+    from . import dispatch
     from .scheme import Scheme
 
     gpus = torch.cuda.device_count()
@@ -36,12 +35,26 @@ def doctor(_args) -> int:
             cap = torch.cuda.get_device_capability(device)
             label += f" ({torch.cuda.get_device_name(device)}, sm{cap[0]}{cap[1]})"
         for head_dim in (64, 128):
-            for pv in spec.PV_DTYPES:  # fp8 (the default) and fp16 (SageConfig(pv="fp16"))
-                site = KernelSite(Scheme(pv=pv), device, torch.bfloat16, spec.padded_head_dim(head_dim))
-                kernel, reasons = dispatch.kernel_for_site(site)
-                runs = f"the {kernel} kernel" if kernel else "SDPA (no sage kernel here)"
-                print(f"{label}: bf16, head dim {head_dim}, pv={pv} → {runs}")
+            # fp8 (the default), fp16 (SageConfig(pv="fp16")) and NVFP4 (SageConfig(qk="fp4", pv="fp4"))
+            for label_scheme, scheme in (("pv=fp8", Scheme()), ("pv=fp16", Scheme(pv="fp16")),
+                                         ("qk=pv=fp4", Scheme(qk="fp4", pv="fp4"))):
+                print(f"{label}: bf16, head dim {head_dim}, {label_scheme} → {_runs(device, head_dim, scheme)}")
     return 0
+
+
+def _runs(device, head_dim: int, scheme) -> str:
+    """What a bf16 site of this head dim and scheme runs on ``device``, in words."""
+    import torch
+
+    from . import dispatch, spec
+    from .kernels import KernelSite
+
+    site = KernelSite(scheme, device, torch.bfloat16, spec.padded_head_dim(head_dim))
+    kernel, _ = dispatch.kernel_for_site(site)
+    if kernel is None:
+        return "SDPA (no sage kernel here)"
+    emulated = dispatch.emulation(site)
+    return f"the {kernel} kernel" + (f" ({emulated})" if emulated else "")
 
 
 def demo(args) -> int:

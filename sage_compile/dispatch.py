@@ -6,6 +6,8 @@ import importlib
 import os
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from .kernels import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
 from .sites import warn_once
 
@@ -95,8 +97,25 @@ def run(args: KernelArgs, out, lse) -> str:
     if module.NAME == "reference":
         warn_once("reference", args.device.type, f"sage_compile: using the slow pure-PyTorch reference kernel on "
                   f"{args.device.type} (faster kernels unavailable: {reasons})")
+    emulated = _emulation(module, args.site)
+    if emulated is not None:
+        torch._dynamo.utils.counters["sage"]["emulated"] += 1
+        warn_once("emulated", emulated, f"sage_compile: the {module.NAME} kernel runs {emulated}")
     module.launch(args, out, lse)
     return module.NAME
+
+
+def emulation(site: KernelSite) -> Optional[str]:
+    """Why the family ``kernel_for_site`` gives a site computes it in a format its device has no instructions for
+    (NVFP4 without FP4 tensor cores: the family's ``emulation``), or None."""
+    name, _ = kernel_for_site(site)
+    module = next((m for _, m in _families({}) if m.NAME == name), None)
+    return None if module is None else _emulation(module, site)
+
+
+def _emulation(module, site: KernelSite) -> Optional[str]:
+    check = getattr(module, "emulation", None)
+    return None if check is None else check(site)
 
 
 def kernel_for_site(site: KernelSite):

@@ -204,7 +204,7 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
     kernel_mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
     out, lse = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, kernel_mask, causal,
-        q.shape[-1], q.dtype, scheme.encode(),
+        q.shape[-1], q.dtype, scheme.encode(), p.q_block_scale, p.k_block_scale, p.v_block_scale,
     )
     return p, kernel_mask, out, lse
 
@@ -328,22 +328,25 @@ def quantized_attention(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
     v: torch.Tensor, v_scale: torch.Tensor, v_mean: Optional[torch.Tensor],
     delta_s: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-    causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str,
+    causal: int, head_dim: int, out_dtype: torch.dtype, scheme: str, q_block_scale: Optional[torch.Tensor] = None,
+    k_block_scale: Optional[torch.Tensor] = None, v_block_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns (out [B,Hq,Nq,head_dim], lse [B,Hq,Nq] fp32, natural log over the smoothed scores). ``scheme``
-    (``Scheme.encode()``) says how the operands were quantized; ``spec.Prepared`` what each holds."""
+    (``Scheme.encode()``) says how the operands were quantized; ``spec.Prepared`` what each holds (the block scales:
+    NVFP4's, given exactly when the scheme is qk='fp4')."""
     _no_grad_inputs("quantized_attention", q_scale, k_scale, v, v_scale, v_mean, delta_s, attn_mask)
     out, lse = _empty_outputs(q, k, head_dim, out_dtype)
     if q.shape[2] == 0:
         return out, lse
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim,
-                      out_dtype, Scheme.decode(scheme))
+                      out_dtype, Scheme.decode(scheme), q_block_scale, k_block_scale, v_block_scale)
     dispatch.run(args, out, lse)
     return out, lse
 
 
 @torch.library.register_fake("sage::quantized_attention")
-def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim, out_dtype, scheme):
+def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, causal, head_dim, out_dtype, scheme,
+      q_block_scale=None, k_block_scale=None, v_block_scale=None):
     return _empty_outputs(q, k, head_dim, out_dtype)
 
 

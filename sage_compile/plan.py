@@ -6,7 +6,9 @@ that meets a target. The plan is a small JSON file keyed by the sites' stable na
 The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measured speeds on the H100 and H200
 (docs/results, ``bench kernel``): per_thread K (the default numerics), per-token K, per-token K with V smoothed (the
 same kernel plus an add in its epilogue and a mean in the prep), and SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
-8-bit PV misses a target SDPA is both faster and exact.
+8-bit PV misses a target SDPA is both faster and exact. NVFP4 (qk = pv = "fp4") heads the ladder only where its
+kernel runs on FP4 tensor cores (``offered``; first by the tensor cores' FP4 rate, not measured here): elsewhere it is
+an emulation, slower than SDPA, and never measured.
 
 Per step: ``calibrate(..., steps="index")`` (batch i of the inputs is step i — a diffusion trajectory fed as its
 denoising steps) or ``steps=fn`` (``fn(args, kwargs)`` names a batch's step, e.g. its timestep) also keeps, per site
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 # rung → the Scheme fields it sets on the config's scheme (None: SDPA), fastest first
 RUNGS: Dict[str, Optional[Dict[str, Any]]] = {
+    "nvfp4": {"qk": "fp4", "pv": "fp4"},
     "per_thread": {"k_granularity": "per_thread"},
     "per_token": {"k_granularity": "per_token"},
     "per_token_smooth_v": {"k_granularity": "per_token", "smooth_v": True},
@@ -55,7 +58,8 @@ class Target:
 @dataclass
 class Plan:
     """site name → rung (``RUNGS``), with what was measured: per site and rung the worst cosine and relative L1 over
-    the site's calls (``None`` where sage cannot run the site), and the target. Calibrated per step, also ``steps``:
+    the site's calls (``None`` where sage cannot run the site; absent for a rung not ``offered`` there), and the
+    target. Calibrated per step, also ``steps``:
     site → step key → rung, and ``measured_steps``: site → step key → rung → the worst over that step's calls."""
 
     sites: Dict[str, str]
@@ -207,6 +211,8 @@ def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, i
     if state["step"] is not None:
         records.append(state["by_step"].setdefault(name, {}).setdefault(state["step"], {}))
     for rung, fields in RUNGS.items():
+        if not offered(fields, query, state["base"]):
+            continue
         if fields is None:
             stats = dict(cos=1.0, rel_l1=0.0)
         else:
@@ -218,6 +224,22 @@ def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, i
         for record in records:
             record[rung] = _worst(record.get(rung, stats), stats)
     return reference
+
+
+def offered(fields: Optional[Dict[str, Any]], query: torch.Tensor, config) -> bool:
+    """Whether calibrate measures the rung with these Scheme ``fields`` (None: SDPA) for a call on ``query``: every
+    rung but NVFP4 where its kernel would not run on FP4 tensor cores (``kernels.native_fp4``, and the kernel family
+    not emulating: ``dispatch.emulation``) — an emulation is slower than SDPA, so never the rung to pick."""
+    if fields is None:
+        return True
+    scheme = config.replace(**fields).scheme
+    if not scheme.fp4:
+        return True
+    from . import dispatch, spec
+    from .kernels import KernelSite, native_fp4
+
+    site = KernelSite(scheme, query.device, query.dtype, spec.padded_head_dim(query.shape[-1]))
+    return native_fp4(query.device) and dispatch.emulation(site) is None
 
 
 def _worst(old: Optional[dict], new: Optional[dict]) -> Optional[dict]:

@@ -7,10 +7,11 @@ terms of it (``supports(site)``, site.scheme).
 
 Fields: the QK operand type and how Q and K are grouped for their scales, smoothing per tensor, the PV
 operand type, the μK sample. Scale tensors of the quantized-op contract (``scale_shape``): one fp32 value
-per token for integer QK types — constant over a per_thread or per_block group, so a kernel may read one
-per group — and, for a type quantized in blocks of channels (``QuantType.channel_block``, e.g. 1×16
-microscaling), one per token and channel block. Adding a QK type is one ``QK_TYPES`` entry plus its
-quantizer in ``spec``; adding a granularity, one ``GRANULARITIES`` entry plus ``spec.group_amax``.
+per token — constant over a per_thread or per_block group, so a kernel may read one per group. A type
+quantized in blocks (``QuantType.channel_block``: NVFP4's 1×16 microscaling) adds, per operand, one E4M3
+block scale per token and block of consecutive elements along the product's reduction (``block_scale_shape``;
+Q, K: channels; V: keys), under that fp32 scale (the second level). Adding a QK type is one ``QK_TYPES`` entry
+plus its quantizer in ``spec``; adding a granularity, one ``GRANULARITIES`` entry plus ``spec.group_amax``.
 """
 from __future__ import annotations
 
@@ -25,22 +26,31 @@ import torch
 
 @dataclass(frozen=True)
 class QuantType:
-    """One operand type: its storage dtype, the largest quantized magnitude, and how many channels share a
-    scale (None: all channels of a token share one)."""
+    """One operand type: its storage dtype, the largest quantized magnitude, how many consecutive elements along
+    the product's reduction share an E4M3 block scale (None: no block scales — all channels of a token share its
+    one scale), and how many values one storage element holds."""
 
     storage: torch.dtype
     max_level: float
     channel_block: Optional[int] = None
+    packing: int = 1
 
 
 # Integer QK values are stored one per int8 (int4 uses ±7 of them); kernels run them through int8 products.
+# fp4 is NVFP4 (SageAttention3's microscaling FP4, spec.quantize_nvfp4): E2M1 codes, two per byte — the low nibble
+# holds the even element —, packed along the reduction (Q, K: channels; V: keys), with an E4M3 scale per 16 of them.
+# It is one rung for both products (``FP4``): SageAttention3 defines it so, and FP4 tensor cores take FP4 operands on
+# both sides.
+FP4 = "fp4"
 QK_TYPES = {
     "int8": QuantType(torch.int8, 127),
     "int4": QuantType(torch.int8, 7),
+    FP4: QuantType(torch.uint8, 6.0, channel_block=16, packing=2),
 }
 PV_TYPES = {
     "fp8": QuantType(torch.float8_e4m3fn, 448.0),
     "fp16": QuantType(torch.float16, 448.0),  # P̂ scaled by the same static 448; V̂ scaled into ±448
+    FP4: QuantType(torch.uint8, 6.0, channel_block=16, packing=2),  # P̃ scaled per row first (spec.py)
 }
 GRANULARITIES = ("per_token", "per_thread", "per_block")
 Q_GRANULARITIES = ("per_token", "per_block")  # per_thread groups are a K layout (a kernel applies δQ per row)
@@ -60,10 +70,12 @@ class Scheme:
     ``qk``: QK operand type (``QK_TYPES``). ``q_granularity`` / ``k_granularity``: scale groups —
     per_token, per_block (``q_block`` / ``k_block`` consecutive tokens) or, for K, per_thread (the sm90
     kernel's accumulator groups, THREAD_GROUP_KEYS; K's default: as accurate as per-token K on real weights,
-    and the faster kernel — docs/configuration.md has the table). ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
+    and the faster kernel — docs/configuration.md has the table; with fp4 the groups of the fp32 second-level scale).
+    ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
     subtract the token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
     the kernel, needed for int4). ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK from that many
-    keys where there are more (0: all keys; any μK is exact after dequantization).
+    keys where there are more (0: all keys; any μK is exact after dequantization). ``qk="fp4"`` and ``pv="fp4"``
+    (NVFP4) go together.
     """
 
     qk: str = "int8"
@@ -94,6 +106,11 @@ class Scheme:
                              f"[0, {MAX_K_MEAN_SAMPLE}] (0: μK over all keys)")
         if self.qk == "int4" and not self.smooth_q:
             raise ValueError("Scheme.qk='int4' needs smooth_q=True (4-bit Q is unusable without smoothing)")
+        if (self.qk == FP4) != (self.pv == FP4):
+            given, other = ("qk", "pv") if self.qk == FP4 else ("pv", "qk")
+            raise ValueError(f"Scheme.{given}='fp4' needs {other}='fp4' too (got qk={self.qk!r}, pv={self.pv!r}): "
+                             "NVFP4 is one rung for both products, as SageAttention3 defines it and FP4 tensor cores "
+                             "run it; set qk='fp4', pv='fp4'")
 
     # --- derived facts the prep and the kernels read -------------------------------------------------------
     @property
@@ -109,11 +126,22 @@ class Scheme:
         """δK is constant over each per_thread key group: a kernel may read one δK per group."""
         return self.k_granularity == "per_thread"
 
+    @property
+    def fp4(self) -> bool:
+        """NVFP4 for both products (qk and pv 'fp4')."""
+        return self.qk == FP4
+
     def scale_shape(self, batch: int, heads: int, tokens: int, head_dim: int) -> Tuple[int, ...]:
-        """Shape of Q's or K's fp32 scale tensor in the quantized-op contract."""
+        """Shape of Q's or K's fp32 scale tensor in the quantized-op contract: one per token (for a block-scaled
+        type, the second level)."""
+        return (batch, heads, tokens)
+
+    def block_scale_shape(self, batch: int, heads: int, tokens: int, head_dim: int) -> Optional[Tuple[int, ...]]:
+        """Shape of Q's or K's E4M3 block-scale tensor (one per token and block of ``channel_block`` channels of the
+        padded head dim), or None for a type without block scales."""
         block = self.qk_type.channel_block
         if block is None:
-            return (batch, heads, tokens)
+            return None
         return (batch, heads, tokens, -(-head_dim // block))
 
     def replace(self, **changes) -> "Scheme":

@@ -18,7 +18,7 @@ class Site:
     shapes: str
     dtype: str
     causal: str
-    kernel: Optional[str]  # kernel chosen for the site's device when replaced
+    kernel: Optional[str]  # kernel chosen for the site's device when replaced (and what it emulates, if anything)
     source: str  # which pass saw it
     rung: str = ""  # the calibration plan's rung for the site (sage_compile.calibrate), "" without one
 
@@ -31,7 +31,10 @@ def describe_site(name: str, call, reason: Optional[str], config, source: str) -
     tensor = isinstance(call.q, torch.Tensor)
     kernel = None
     if reason is None:
-        kernel, _ = dispatch.kernel_for_site(kernel_site(call, config))
+        site = kernel_site(call, config)
+        kernel, _ = dispatch.kernel_for_site(site)
+        emulated = dispatch.emulation(site)
+        kernel = kernel if emulated is None else f"{kernel} ({emulated})"
     return Site(
         name=name,
         replaced=reason is None,

@@ -15,6 +15,20 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
 7. LSE: natural-log log-sum-exp of the smoothed scores (``Prepared.lse_shift`` turns it into SDPA's).
 Causal masks are top-left aligned (SDPA's ``is_causal``) or bottom-right (KV cache), named explicitly.
 
+NVFP4 (qk = pv = "fp4", SageAttention3's microscaling FP4; ``quantize_nvfp4`` is the one quantizer of all four
+operands). A group of elements with absolute maximum a gets the fp32 second-level scale δ = max(a/2688, tiny) (2688
+= 448·6, so the group's largest block scale is E4M3's 448); x' = x·fl(1/δ); each block of 16 consecutive elements
+along the product's reduction gets the block scale s = e4m3(amax(x')/6) (IEEE division, clamped to 448, rounded half
+to even — 0 where it underflows) and the codes e2m1(x'·fl(1/s)) (nearest, ties to the even code, saturating at ±6; a
+block with s = 0 is all 0). Steps 3–6 become:
+3'. q̃ and k̃ along the head dim, δ per token (or per q_granularity / k_granularity group); s·log2(e) folded into δQ.
+4'. S = (Σ_c q̄_c·k̄_c)·δQ·δK + ΔS with q̄ = code·s (≤ 6 significant bits): every product is exact in float64 and so
+    is their sum (magnitudes 2^-20 … 2^31, 51 bits), rounded once to fp32 — the order of summation does not matter.
+5'. V along the keys (16-key blocks of V̂ᵀ), δV per channel over the valid keys (step 5's groups). P̃ per key block
+    and row: r = max_j P̃ (P̃ after its fp32 rounding), δP = max(r/2688, tiny), then 16-key blocks as above.
+6'. acc = P̄·V̄ exact in float64, rounded once; O32 = O32·exp2(m_old − m_new) + acc·δP; O = O32/l·δV + μV.
+Key blocks start at multiples of 16, so P̃'s blocks are V̂'s (what a block-scaled MMA multiplies).
+
 Special values — one rule, the same in every path (eager, compiled, CPU kernel, Triton, sm90). Key j *reaches* query
 row i unless the causal alignment or kv_lens hides it (its score is never formed); it is *visible* to row i if it
 reaches it and the attn_mask does not mask it (a False bool entry or a −inf additive entry). The mask is added to S,
@@ -39,13 +53,14 @@ How the poison travels, so that it costs (nearly) nothing: a poisoned q/k token'
 amax is non-finite) and its 8-bit payload is unspecified (the reference writes 0, the Triton prep whatever its
 rint trick makes of NaN·0) — its NaN scale makes every score it enters NaN anyway. A poisoned v channel makes
 δV_c NaN (its amax over the valid keys, taken with a non-finite element as +∞, is +∞) and its payload 0 (1/δ is
-taken as 0); V̂ carries no NaN. μK, μQ and μV are taken over the finite elements only (a non-finite element counts
-as 0), so one bad key does not poison the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the
+taken as 0); V̂ carries no NaN (NVFP4 alike: a poisoned token's or channel's codes and block scales are 0). μK, μQ
+and μV are taken over the finite elements only (a non-finite element counts as 0), so one bad key does not poison
+the others. In the kernel S_ij = dot·δQ_i·δK_j is NaN exactly for the
 poisoned pairs; causal and kv_lens replace a hidden score by −∞ (a select), the attn_mask is added; a NaN score
 that reaches the row makes P̃ NaN (exp2(NaN − m) is NaN whatever max() did with it), hence the row sum l NaN, which
 every step after keeps. After the key loop l += 0·δQ_i (NaN for a poisoned q row, else exact); then l == 0 → no
-key (inv = 0, lse −∞), otherwise inv = 1/(448·l) and lse from log2 l — NaN whenever l is; every epilogue computes
-out = O32·inv·δV (+ μV where there are keys), so a NaN δV_c reaches out[:, c] of every row, including a row
+key (inv = 0, lse −∞), otherwise inv = 1/(448·l) (fp4: 1/l) and lse from log2 l — NaN whenever l is; every epilogue
+computes out = O32·inv·δV (+ μV where there are keys), so a NaN δV_c reaches out[:, c] of every row, including a row
 with no key (O32·0·NaN = NaN). So no kernel needs a NaN-propagating max, V is read no extra time, and the hot loop
 gains no instruction.
 Where SDPA differs: its NaN pattern depends on the backend and the data — a masked +∞ score is NaN there, a masked
@@ -68,7 +83,9 @@ Rounding choices that make the CPU kernel agree bit-for-bit (see tests/test_cpu_
   (each product spans 2^-18..2^17.6 with 8 significant bits; 128 of them fit in 53 bits), then rounded
   once to fp32 — so the result does not depend on summation order;
 * exp2 is evaluated in float64 and rounded to fp32; row sums of P̃ likewise;
-* no fused multiply-adds: ``a * b + c`` is two roundings.
+* no fused multiply-adds: ``a * b + c`` is two roundings;
+* NVFP4's dequantized operands (code × E4M3 block scale) have ≤ 6 significant bits, so both of its products are
+  exact in float64 (steps 4' and 6') and rounded once to fp32.
 A GPU kernel's fast exp2 and its ~22-bit FP8 accumulator differ from this by far less than the
 quantization error; GPU tests use a tolerance for that.
 """
@@ -81,7 +98,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .scheme import PV_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme  # noqa: F401
+from .scheme import PV_TYPES, QK_TYPES, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme  # noqa: F401
 
 LOG2E = math.log2(math.e)
 P_SCALE = 448.0  # static scale of P̃ ∈ (0, 1] into the e4m3 range
@@ -92,7 +109,15 @@ REFERENCE_BLOCK_N = 64  # key block of the reference's online softmax (the CPU k
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
 CAUSAL_NAMES = {CAUSAL_NONE: "none", CAUSAL_TOP_LEFT: "top_left", CAUSAL_BOTTOM_RIGHT: "bottom_right"}
 
-PV_DTYPES = {name: t.storage for name, t in PV_TYPES.items()}
+PV_DTYPES = {name: t.storage for name, t in PV_TYPES.items() if t.channel_block is None}  # rounded by a cast
+
+FP4_MAX = QK_TYPES["fp4"].max_level  # 6, the largest E2M1 magnitude
+FP4_BLOCK = QK_TYPES["fp4"].channel_block  # 16 elements per E4M3 block scale, along the product's reduction
+FP4_RANGE = E4M3_MAX * FP4_MAX  # 2688: a group's amax maps here, its largest block scale to E4M3's 448
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of code c is E2M1_VALUES[c & 7]; bit 3: sign
+# Round to nearest, ties to the even code: |x| reaches magnitude code c+1 past midpoint c (E2M1_VALUES[c] and [c+1]
+# averaged), or at it where c+1 is even
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
 # Step 1's μK from a fixed sample of keys where there are more than ``k_mean_sample``: any μ is exact after
 # dequantization (q·μ is the same for every key of a row, and softmax ignores it; the LSE shift uses the same μ), so
 # μ only centres K's quantization range, and S keys estimate the channel means to σ/√S. Sample i is key ⌊u_i·n⌋
@@ -201,6 +226,86 @@ def quantize_pv_operand(x: torch.Tensor, pv: str) -> torch.Tensor:
     return x.to(PV_DTYPES[pv])
 
 
+# --------------------------------------------------------------------------------------------------
+# NVFP4 (qk = pv = "fp4"): E2M1 codes in 16-element blocks with E4M3 scales under an fp32 second level.
+# --------------------------------------------------------------------------------------------------
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of fp32 x (bits 0–2: the index of |x|'s nearest E2M1_VALUES entry, ties to the even index;
+    bit 3: x < 0), saturating at ±6 (±inf too). A NaN gets code 0; a negative x that rounds to 0 gets −0 (code 8).
+    Comparisons only: traceable, and Inductor fuses them."""
+    magnitude = x.abs()
+    index = sum((magnitude >= mid) if code % 2 == 0 else (magnitude > mid)
+                for code, mid in enumerate(_E2M1_MIDPOINTS, start=1))
+    return (index + torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """float64 values of uint8 E2M1 codes."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., 2m] → [..., m], two per byte: element 2i in the low nibble, 2i+1 in the high one (the
+    order tl.dot_scaled and the FP4 MMAs read)."""
+    pairs = codes.unflatten(-1, (-1, 2))
+    return pairs[..., 0] + pairs[..., 1] * 16
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_fp4`` undone: uint8 [..., m] → codes [..., 2m]."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def nvfp4_delta(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 second-level scale of a group of absolute maximum ``amax``: max(amax/2688, tiny) — the group's
+    largest block scale is then E4M3's 448, and 1/δ is finite —, NaN where amax is not finite (a poisoned group)."""
+    delta = (amax / FP4_RANGE).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.where(torch.isfinite(amax), delta, math.nan)
+
+
+def quantize_nvfp4_blocks(scaled: torch.Tensor):
+    """x' [..., n] (in units of its second-level scale, |x'| ≲ 2688) in blocks of FP4_BLOCK along the last dim,
+    zero-padded to a multiple of it: (uint8 codes [..., n16], E4M3 block scales [..., n16/16]).
+
+    s = e4m3(amax(x')/6): an IEEE division, clamped to 448, rounded half to even (0 where amax/6 ≤ 2^-10, half E4M3's
+    smallest subnormal: the block underflows); codes = round_e2m1(x'·fl(1/s)), all 0 where s = 0. Finite x' only."""
+    n = scaled.shape[-1]
+    blocks = torch.nn.functional.pad(scaled, (0, (-n) % FP4_BLOCK)).unflatten(-1, (-1, FP4_BLOCK))
+    block_scale = quantize_e4m3(blocks.abs().amax(dim=-1) / FP4_MAX)
+    s = block_scale.float()
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    return round_e2m1(blocks * inv.unsqueeze(-1)).flatten(-2), block_scale
+
+
+def quantize_nvfp4(x: torch.Tensor, amax: torch.Tensor):
+    """x [..., n] in NVFP4 along its last dim, one second-level scale per row ``amax`` [...] gives: (codes packed two
+    per byte, uint8 [..., n16/2]; E4M3 block scales [..., n16/16]; δ fp32 [...]), n16 = n rounded up to 16.
+
+    δ = nvfp4_delta(amax); x' = x·fl(1/δ) (one rounded product, as quantize_symmetric), an element whose x' is not
+    finite taken as 0 — a poisoned row (δ NaN) stores zeros, so the payload never holds a NaN; then
+    ``quantize_nvfp4_blocks``. Dequantized: x ≈ δ·s·e2m1_value(code)."""
+    delta = nvfp4_delta(amax)
+    scaled = x * (1.0 / delta).unsqueeze(-1)
+    codes, block_scale = quantize_nvfp4_blocks(torch.where(torch.isfinite(scaled), scaled, 0.0))
+    return pack_fp4(codes), block_scale, delta
+
+
+def fp4_values(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """float64 code × block scale [..., 2m] of packed NVFP4 [..., m] (exact: ≤ 6 significant bits), the second level
+    not applied."""
+    return e2m1_value(unpack_fp4(packed)) * block_scale.double().repeat_interleave(FP4_BLOCK, dim=-1)
+
+
+def quantize_p_fp4(p: torch.Tensor):
+    """P̃ [..., keys] of one key block (keys a multiple of 16 from the block's start) in NVFP4 along the keys, each row
+    under its own second level: δP = nvfp4_delta(max_j P̃), so the row's largest block scale is 448 however small this
+    block's P̃ is against the running max. Returns (P̄ = code·s float64 [..., keys], δP fp32 [...])."""
+    packed, block_scale, delta = quantize_nvfp4(p, p.amax(dim=-1))
+    return fp4_values(packed, block_scale)[..., :p.shape[-1]], delta
+
+
 def token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int = 0) -> torch.Tensor:
     """fp32 mean over tokens ([B,H,N,D] → [B,H,1,D]); with kv_lens, over each batch's valid keys only. ``sample``
     S > 0: over the keys ``mean_sample_positions`` picks — all of them (in order) where there are at most S.
@@ -253,18 +358,23 @@ def valid_key_mask(kv_lens: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class Prepared:
-    """The quantized op's inputs (its contract), as the sm90 kernel wants them."""
+    """The quantized op's inputs (its contract), as the sm90 kernel wants them. With NVFP4 (``scheme.fp4``) q, k and
+    v hold E2M1 codes packed two per byte along the reduction (uint8, the last dim halved), the scales are the second
+    level, and the *_block_scale tensors hold the E4M3 scale of every 16 elements along the reduction."""
 
-    q: torch.Tensor  # int8 [B,Hq,Nq,Dp]
+    q: torch.Tensor  # int8 [B,Hq,Nq,Dp] (fp4: uint8 [B,Hq,Nq,Dp/2])
     q_scale: torch.Tensor  # fp32 [B,Hq,Nq], includes scale·log2(e)
-    k: torch.Tensor  # int8 [B,Hkv,Nk,Dp]
+    k: torch.Tensor  # int8 [B,Hkv,Nk,Dp] (fp4: uint8 [B,Hkv,Nk,Dp/2])
     k_scale: torch.Tensor  # fp32 [B,Hkv,Nk]
-    v: torch.Tensor  # e4m3 (or fp16) [B,Hkv,Dp,Nk_pad16], V transposed: K-major B operand of PV
+    v: torch.Tensor  # e4m3 (or fp16) [B,Hkv,Dp,Nk_pad16], V transposed: K-major B operand of PV (fp4: uint8, Nk/2)
     v_scale: torch.Tensor  # fp32 [B,Hkv,Dp]
     v_mean: Optional[torch.Tensor]  # fp32 [B,Hkv,Dp] or None
     delta_s: Optional[torch.Tensor]  # fp32 [B,Hq,ceil(Nq/q_block),Nk], base-2 score units, or None
     scheme: Scheme  # what was quantized how (q_block: Q tokens per delta_s row; per_thread K groups...)
     lse_shift: Optional[torch.Tensor] = None  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
+    q_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hq,Nq,Dp/16]
+    k_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hkv,Nk,Dp/16]
+    v_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hkv,Dp,Nk_pad16/16], 16 keys each
 
 
 def prepare(
@@ -299,6 +409,14 @@ def prepare(
     q_amax = group_amax(qf, quant.q_granularity, quant.q_block)  # step 3
     valid = valid_key_mask(kv_lens, k.shape[-2]) if kv_lens is not None else None
     k_amax = group_amax(k_smooth, quant.k_granularity, quant.k_block, valid)
+    shift = lse_shift(q, k_mean, scale) if want_lse else None
+    if quant.fp4:  # step 3': the padded channels are zeros, so the blocks span Dp
+        q4, q_block_scale, q_delta = quantize_nvfp4(_pad_last(qf, pad), q_amax)
+        k4, k_block_scale, k_delta = quantize_nvfp4(_pad_last(k_smooth, pad), k_amax)
+        v4, v_block_scale, v_scale, v_mean = prepare_v_fp4(v, quant, kv_lens)
+        return Prepared(q=q4, q_scale=q_delta * score_scale, k=k4, k_scale=k_delta, v=v4, v_scale=v_scale,
+                        v_mean=v_mean, delta_s=delta_s, scheme=quant, lse_shift=shift, q_block_scale=q_block_scale,
+                        k_block_scale=k_block_scale, v_block_scale=v_block_scale)
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
@@ -313,7 +431,7 @@ def prepare(
         v_mean=v_mean,
         delta_s=delta_s,
         scheme=quant,
-        lse_shift=lse_shift(q, k_mean, scale) if want_lse else None,
+        lse_shift=shift,
     )
 
 
@@ -329,6 +447,36 @@ def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = 
     Special values (module docstring): a channel with a non-finite element among the valid keys gets δV = NaN and
     V̂ = 0 (1/δ taken as 0: the payload never holds a NaN); μV is over the finite elements."""
     pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
+    vf, v_mean, amax = _v_operand(v, quant, kv_lens)
+    poisoned = torch.isinf(amax)
+    v_delta = torch.where(poisoned, 1.0, (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny))  # 1/δV finite
+    inv = torch.where(poisoned, 0.0, 1.0 / v_delta)  # a poisoned channel's payload is 0
+    v_hat = quantize_pv_operand(vf * inv.unsqueeze(-2), quant.pv)  # as quantize_symmetric
+    v_delta = torch.where(poisoned, math.nan, v_delta)
+    n_k = v.shape[-2]
+    v_t = v_hat.transpose(-1, -2)
+    token_pad = (-n_k) % 16
+    if not (statically_known_true(token_pad == 0) and pad == 0):
+        v_t = torch.nn.functional.pad(v_t, (0, token_pad, 0, pad))
+    return v_t.contiguous(), _pad_last(v_delta, pad, value=1.0), v_mean
+
+
+def prepare_v_fp4(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = None):
+    """Step 5' (pv='fp4'): (V̂ᵀ codes packed along the keys, uint8 [B,Hkv,Dp,Nk_pad16/2]; E4M3 block scales of 16 keys
+    [B,Hkv,Dp,Nk_pad16/16]; δV [B,Hkv,Dp] = nvfp4_delta of each channel's amax over the valid keys — tiny for a padded
+    channel —; μV or None). Special values as ``prepare_v``: a poisoned channel's δV is NaN, its codes and block scales
+    0."""
+    pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
+    vf, v_mean, amax = _v_operand(v, quant, kv_lens)
+    v_t = torch.nn.functional.pad(vf.transpose(-1, -2), (0, 0, 0, pad))
+    v4, block_scale, v_delta = quantize_nvfp4(v_t, _pad_last(amax, pad))
+    return v4.contiguous(), block_scale.contiguous(), v_delta, v_mean  # elementwise ops kept v's transposed strides
+
+
+def _v_operand(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor]):
+    """(ṽ fp32 — μV subtracted with smooth_v, keys past kv_lens and non-finite elements 0 —, μV padded to Dp or None,
+    each channel's amax over the valid keys, +∞ for a poisoned channel: a NaN counts as +∞)."""
+    pad = padded_head_dim(v.shape[-1]) - v.shape[-1]
     vf = v.float()
     v_mean = None
     if quant.smooth_v:
@@ -338,18 +486,8 @@ def prepare_v(v: torch.Tensor, quant: Scheme, kv_lens: Optional[torch.Tensor] = 
     if kv_lens is not None:  # padded keys must not set δV (a select: a poisoned padded key poisons nothing)
         vf = torch.where(valid_key_mask(kv_lens, v.shape[-2])[:, None, :, None], vf, 0.0)
     finite = torch.isfinite(vf)
-    amax = torch.where(finite, vf.abs(), math.inf).amax(dim=-2)  # +∞ for a poisoned channel (NaN counts as +∞)
-    poisoned = torch.isinf(amax)
-    v_delta = torch.where(poisoned, 1.0, (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny))  # 1/δV finite
-    inv = torch.where(poisoned, 0.0, 1.0 / v_delta)  # a poisoned channel's payload is 0
-    v_hat = quantize_pv_operand(torch.where(finite, vf, 0.0) * inv.unsqueeze(-2), quant.pv)  # as quantize_symmetric
-    v_delta = torch.where(poisoned, math.nan, v_delta)
-    n_k = v.shape[-2]
-    v_t = v_hat.transpose(-1, -2)
-    token_pad = (-n_k) % 16
-    if not (statically_known_true(token_pad == 0) and pad == 0):
-        v_t = torch.nn.functional.pad(v_t, (0, token_pad, 0, pad))
-    return v_t.contiguous(), _pad_last(v_delta, pad, value=1.0), v_mean
+    amax = torch.where(finite, vf.abs(), math.inf).amax(dim=-2)
+    return torch.where(finite, vf, 0.0), v_mean, amax
 
 
 def _pad_last(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:
@@ -406,6 +544,9 @@ def quantized_attention_reference(
     head_dim: int,
     out_dtype: torch.dtype,
     scheme: Scheme,
+    q_block_scale: Optional[torch.Tensor] = None,
+    k_block_scale: Optional[torch.Tensor] = None,
+    v_block_scale: Optional[torch.Tensor] = None,
     block_n: int = REFERENCE_BLOCK_N,
 ):
     """Returns (out [B,Hq,Nq,head_dim] in out_dtype, lse [B,Hq,Nq] fp32, natural log, smoothed scores).
@@ -414,17 +555,26 @@ def quantized_attention_reference(
     (``scheme.k_thread_groups``) δK must be constant over each group (checked here; a kernel may then read
     one δK per group). ``delta_s`` row r/q_block serves query row r (q_block of the scheme). ``attn_mask``
     [B|1, Hq|1, Nq|1, Nk]: bool (True = attend) or fp32 added to S (base-2 units, i.e. SDPA's additive
-    mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking."""
-    batch, hq, n_q, dp = q.shape
+    mask · log2 e; -inf masks), applied after ΔS and before causal/kv_lens masking. NVFP4 (``scheme.fp4``): steps
+    4'–6' of the module docstring, ``block_n`` a multiple of 16."""
+    batch, hq, n_q, _ = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     group = hq // hkv
     dev = q.device
     if scheme.k_thread_groups:
         check_k_thread_groups(k_scale)
-    qi = q.to(torch.int32)
-    ki = k.to(torch.int32).repeat_interleave(group, dim=1)  # the oracle may copy; kernels must not
+    if scheme.fp4 and block_n % FP4_BLOCK:
+        raise ValueError(f"block_n={block_n}: NVFP4's P̃ blocks of {FP4_BLOCK} keys must align with V̂'s")
+    if scheme.fp4:  # code × block scale, exact in float64 (the second level is applied as for int8)
+        qi = fp4_values(q, q_block_scale)
+        ki = fp4_values(k, k_block_scale).repeat_interleave(group, dim=1)
+        vt = fp4_values(v, v_block_scale)[..., :n_k].repeat_interleave(group, dim=1)
+    else:
+        qi = q.to(torch.int32)
+        ki = k.to(torch.int32).repeat_interleave(group, dim=1)  # the oracle may copy; kernels must not
+        vt = v[..., :n_k].to(torch.float64).repeat_interleave(group, dim=1)  # [B,Hq,Dp,Nk]
+    dp = qi.shape[-1]
     ks = k_scale.repeat_interleave(group, dim=1)
-    vt = v[..., :n_k].to(torch.float64).repeat_interleave(group, dim=1)  # [B,Hq,Dp,Nk]
     allowed = causal_allowed(n_q, n_k, causal, dev)
     key_valid = valid_key_mask(kv_lens, n_k) if kv_lens is not None else None
 
@@ -433,7 +583,7 @@ def quantized_attention_reference(
     o32 = torch.zeros((batch, hq, n_q, dp), device=dev)
     for start in range(0, n_k, block_n):
         cols = slice(start, min(start + block_n, n_k))
-        dots = (qi @ ki[:, :, cols].transpose(-1, -2)).float()  # exact int32 → fp32 (|dot| < 2^24)
+        dots = (qi @ ki[:, :, cols].transpose(-1, -2)).float()  # exact (int32, or fp4 in float64) → fp32
         s = dots * q_scale.unsqueeze(-1) * ks[:, :, None, cols]
         if delta_s is not None:
             rows_group = torch.arange(n_q, device=dev) // scheme.q_block
@@ -446,14 +596,12 @@ def quantized_attention_reference(
         p = exp2_fp32(s - m_safe.unsqueeze(-1))  # P̃ ∈ [0, 1]
         alpha = exp2_fp32(m - m_safe)
         l = l * alpha + p.double().sum(dim=-1).float()
-        p_hat = quantize_pv_operand(p * P_SCALE, scheme.pv)
-        acc = (p_hat.double() @ vt[..., cols].transpose(-1, -2)).float()  # exact, then one rounding
-        o32 = o32 * alpha.unsqueeze(-1) + acc
+        o32 = o32 * alpha.unsqueeze(-1) + _pv_block(p, vt[..., cols], scheme)
         m = m_new
 
     l = l + q_scale * 0.0  # a poisoned q row (δQ NaN) is NaN even where it sees no key; + 0 is exact
     has_keys = l != 0  # NaN l (a poisoned q row or a key reaching it): NaN out, lse
-    inv = torch.where(has_keys, 1.0 / (l * P_SCALE), torch.zeros_like(l))
+    inv = torch.where(has_keys, 1.0 / (l * p_scale(scheme)), torch.zeros_like(l))
     vs = v_scale.repeat_interleave(group, dim=1)
     out = o32 * inv.unsqueeze(-1) * vs.unsqueeze(-2)
     if v_mean is not None:
@@ -461,6 +609,22 @@ def quantized_attention_reference(
         out = out + torch.where(has_keys.unsqueeze(-1), vm.unsqueeze(-2), torch.zeros_like(out))
     lse = torch.where(has_keys, (m + torch.log2(l)) / LOG2E, torch.full_like(l, -math.inf))
     return saturate(out[..., :head_dim], out_dtype), lse
+
+
+def _pv_block(p: torch.Tensor, vt: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """One key block's P̂·V̂ (steps 5–6; 5'–6' for fp4), fp32 [B,Hq,rows,Dp]: exact in float64, rounded once; for
+    fp4 then times each row's δP (one more rounding)."""
+    if scheme.fp4:
+        p_bar, p_delta = quantize_p_fp4(p)
+        return (p_bar @ vt.transpose(-1, -2)).float() * p_delta.unsqueeze(-1)
+    p_hat = quantize_pv_operand(p * P_SCALE, scheme.pv)
+    return (p_hat.double() @ vt.transpose(-1, -2)).float()
+
+
+def p_scale(scheme: Scheme) -> float:
+    """What the PV product carries P̃ scaled by: P_SCALE (the static 448) for 8-bit and fp16 P̂; 1 for fp4, whose
+    δP is applied to each block's product."""
+    return 1.0 if scheme.fp4 else P_SCALE
 
 
 def masked_scores(s, attn_mask, allowed, key_valid):
@@ -594,7 +758,8 @@ def reference_attention(
     p = prepare(q, k, v, scale, quant, kv_lens)
     out, _ = quantized_attention_reference(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens,
-        kernel_mask(mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, p.scheme, block_n=block_n,
+        kernel_mask(mask_operand(attn_mask, q, k)), causal, q.shape[-1], q.dtype, p.scheme, p.q_block_scale,
+        p.k_block_scale, p.v_block_scale, block_n=block_n,
     )
     return out
 

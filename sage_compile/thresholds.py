@@ -122,12 +122,13 @@ def mask_rows(mask) -> str:
 
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
                 mask=None, pv: str = "fp8", standalone: bool = False, compiled: bool = False) -> float:
-    """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed). On CUDA the
+    """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed) and for NVFP4 (pv='fp4': not
+    measured; on GPUs without FP4 tensor cores an emulation, chosen for its numerics). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
     own, faster kernel; a site with an attn_mask: the masked measurements above; ``standalone``, a site whose prep
     no producer absorbed: MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``); other archs
     borrow sm90's entry until measured; unmeasured shapes: 0."""
-    if device.type != "cuda":
+    if device.type != "cuda" or pv == "fp4":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
     rows = mask_rows(mask) if mask is not None else None

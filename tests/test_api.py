@@ -137,8 +137,64 @@ def test_doctor_lists_kernels_and_each_devices_choice(capsys):
     out = capsys.readouterr().out
     assert "  cpu        built" in out
     for head_dim in (64, 128):
-        for pv in ("fp8", "fp16"):
-            line = next(l for l in out.splitlines() if l.startswith(f"cpu: bf16, head dim {head_dim}, pv={pv} → "))
+        for scheme in ("pv=fp8", "pv=fp16", "qk=pv=fp4"):
+            line = next(l for l in out.splitlines() if l.startswith(f"cpu: bf16, head dim {head_dim}, {scheme} → "))
             assert line.endswith("→ the cpu kernel"), line
     if not torch.cuda.is_available():
         assert "no CUDA device" in out and "not importable" not in out
+
+FP4 = SageConfig(qk="fp4", pv="fp4")
+
+
+@given(shape=attention_shapes(max_n=130), seed=st.integers(0, 2**16), is_causal=st.booleans(),
+       masked=st.booleans())
+def test_nvfp4_runs_the_spec_on_cpu(shape, seed, is_causal, masked):
+    """qk = pv = "fp4" through the public API: the C++ kernel, bit for bit the spec (tests/test_cpu_kernel.py)."""
+    q, k, v = random_qkv(**shape, seed=seed)
+    mask = (torch.arange(shape["n_k"]) < max(1, shape["n_k"] // 2)) if masked and not is_causal else None
+    gqa = shape["hq"] != shape["hkv"]
+    out = sage_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa, config=FP4)
+    ref = spec.reference_attention(q, k, v, causal=int(is_causal), quant=FP4.scheme, attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
+
+
+def test_nvfp4_under_torch_compile():
+    """The sage backend carries the scheme into the graph: aot_eager runs the eager decomposition bit for bit;
+    Inductor fuses the NVFP4 prep (its μK sums may round differently — and it keeps a producer's output in fp32, so the
+    site here has none —: close to eager, and the site replaced)."""
+    q, k, v = random_qkv(2, 4, 2, 50, 70, 64, seed=5)
+
+    def scaled(q, k, v):
+        return F.scaled_dot_product_attention(q * 1.5, k, v, is_causal=True, enable_gqa=True)
+
+    def plain(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with torch.no_grad():
+        exact = torch.compile(scaled, backend="sage", options={"qk": "fp4", "pv": "fp4", "inner_backend": "aot_eager"})
+        torch.testing.assert_close(exact(q, k, v), sage_attention(q * 1.5, k, v, is_causal=True, enable_gqa=True,
+                                                                  config=FP4), rtol=0, atol=0)
+        torch._dynamo.reset()
+        fused = torch.compile(plain, backend="sage", options={"sage_config": FP4})
+        eager = sage_attention(q, k, v, is_causal=True, enable_gqa=True, config=FP4)
+        assert cosine(fused(q, k, v), eager) > 0.9999
+    assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 2
+    assert sage_compile.explain(plain, q, k, v, config=FP4).sites[0].kernel == "cpu"
+
+
+def test_nvfp4_is_asked_for_with_both_fields():
+    with pytest.raises(ValueError, match="qk='fp4', pv='fp4'"):
+        SageConfig(qk="fp4")
+    assert SageConfig.from_op_key(FP4.op_key()).scheme == FP4.scheme
+
+
+def test_nvfp4_training_gets_sdpas_gradient_with_a_warning():
+    """backward='sage' differentiates INT8 operands: an fp4 site keeps the NVFP4 forward and SDPA's gradient, told."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 32, 32, 64, seed=6))
+    with pytest.warns(UserWarning, match="qk='fp4'"):
+        out = sage_attention(q, k, v, config=FP4.replace(backward="sage"))
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    torch.testing.assert_close(out.detach(), spec.reference_attention(q.detach(), k.detach(), v.detach(),
+                                                                      quant=FP4.scheme), rtol=0, atol=0)

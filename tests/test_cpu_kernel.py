@@ -91,6 +91,20 @@ def test_e4m3_midpoints_are_all_covered():
     _assert_same_bits(_round_pv(mids, "fp8"), mids.to(torch.float8_e4m3fn).float(), mids)
 
 
+def test_e2m1_rounding_matches_spec():
+    """NVFP4's code rounding (P̃ is quantized in the kernel): every fp32 value from ±2^-3 to ±8 in 2^-6 steps (every
+    E2M1 value and midpoint among them), the midpoints' fp32 neighbours, random bits, ±inf, NaN."""
+    g = torch.Generator().manual_seed(2)
+    steps = torch.arange(-512, 513, dtype=torch.float32) / 64
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (100_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([steps, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(0.0)), -mids,
+                   random_bits.view(torch.float32), torch.tensor([math.inf, -math.inf, math.nan, -0.0])])
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    _C._round_e2m1(x.data_ptr(), codes.data_ptr(), x.numel())
+    assert torch.equal(codes, spec.round_e2m1(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16])
 def test_decoding_v_matches_torch_for_every_code(dtype):
     codes = _all_codes(dtype)
@@ -135,10 +149,12 @@ def _prepared_args(q, k, v, quant, causal, out_dtype, kv_lens=None, attn_mask=No
         k = v = k.new_ones(k.shape[0], k.shape[1], 1, k.shape[3])
     p = spec.prepare(q, k, v, q.shape[-1] ** -0.5, quant, kv_lens)
     keys = slice(0, n_k)
+    v_keys = slice(0, n_k if not quant.fp4 else -(-n_k // 16) * 8)  # NVFP4's V̂ᵀ: whole 16-key blocks, 2 per byte
     return KernelArgs(
-        p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., keys], p.v_scale, p.v_mean,
+        p.q, p.q_scale, p.k[:, :, keys], p.k_scale[:, :, keys], p.v[..., v_keys], p.v_scale, p.v_mean,
         None if p.delta_s is None else p.delta_s[..., keys], kv_lens, attn_mask, causal, q.shape[-1], out_dtype,
-        p.scheme,
+        p.scheme, p.q_block_scale, None if p.k_block_scale is None else p.k_block_scale[:, :, keys],
+        None if p.v_block_scale is None else p.v_block_scale[..., :-(-n_k // 16)],
     )
 
 
@@ -207,7 +223,7 @@ _LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 150]),
 def _problems(draw):
     hkv = draw(st.integers(1, 3))
     dp = draw(st.sampled_from([32, 64, 128, 256]))
-    qk = draw(st.sampled_from(["int8", "int4"]))
+    qk = draw(st.sampled_from(["int8", "int4", "fp4"]))
     quant = spec.Scheme(
         qk=qk,
         q_granularity=draw(st.sampled_from(scheme.Q_GRANULARITIES)),
@@ -217,7 +233,7 @@ def _problems(draw):
         smooth_q=qk == "int4" or draw(st.booleans()),
         smooth_k=draw(st.booleans()),
         smooth_v=draw(st.booleans()),
-        pv=draw(st.sampled_from(sorted(spec.PV_DTYPES))),
+        pv="fp4" if qk == "fp4" else draw(st.sampled_from(sorted(spec.PV_DTYPES))),
     )
     batch, hq = draw(st.integers(1, 2)), hkv * draw(st.integers(1, 3))
     return dict(
@@ -300,11 +316,13 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype):
     assert out[~closed].isfinite().all() and (out[~closed] != 0).any()
 
 
+@pytest.mark.parametrize("qk", ["int8", "fp4"])
 @pytest.mark.parametrize("causal", sorted(spec.CAUSAL_NAMES))
-def test_nan_in_one_query_row_stays_in_that_row(causal):
+def test_nan_in_one_query_row_stays_in_that_row(causal, qk):
     q, k, v = random_qkv(2, 4, 2, 70, 90, 64, seed=3)
     q[1, 2, 37, 5] = math.nan
-    args = _prepared_args(q, k, v, spec.Scheme(), causal, torch.bfloat16)
+    quant = spec.Scheme(qk=qk, pv="fp4" if qk == "fp4" else "fp8")
+    args = _prepared_args(q, k, v, quant, causal, torch.bfloat16)
     out, lse = _run_cpu(args)
     _assert_matches_oracle(out, lse, *_oracle(args))
     assert out[1, 2, 37].isnan().all()
@@ -312,6 +330,48 @@ def test_nan_in_one_query_row_stays_in_that_row(causal):
     out[1, 2, 37] = 0
     lse[1, 2, 37] = 0
     assert out.isfinite().all() and lse.isfinite().all()
+
+
+@pytest.mark.parametrize("d", [16, 32])
+def test_nvfp4_channels_widened_give_the_same_bits(d):
+    """kernels.widen_fp4_channels — how the Triton kernel runs NVFP4 head dims padded to 32, in 64-channel tiles
+    (kernels/triton.py, FP4_MIN_TILE_DP) —: the widened operands pass the contract and give the same out and lse, bit
+    for bit (kv_lens, μV, bottom-right causal); it widens only fp4, to a wider multiple of 16."""
+    q, k, v = random_qkv(2, 4, 2, 70, 90, d, seed=d)
+    kv_lens = torch.tensor([90, 41], dtype=torch.int32)
+    args = _prepared_args(q, k, v, spec.Scheme(qk="fp4", pv="fp4", smooth_v=True), 2, torch.float32, kv_lens)
+    wide = kernels.widen_fp4_channels(args, 64)
+    assert wide.padded_head_dim == 64 and wide.q.shape[-1] == wide.k.shape[-1] == 32 and wide.v.shape[2] == 64
+    assert wide.q_block_scale.dtype == torch.float8_e4m3fn and wide.q_block_scale.shape[-1] == 4
+    out, lse = _run_cpu(args)
+    wide_out, wide_lse = _run_cpu(wide)
+    assert torch.equal(out, wide_out) and torch.equal(lse, wide_lse)
+    for bad_args, width in ((args, 40), (args, 16), (_prepared_args(q, k, v, spec.Scheme(), 0, torch.float32), 64)):
+        with pytest.raises(ValueError, match="widen_fp4_channels"):
+            kernels.widen_fp4_channels(bad_args, width)
+
+
+def test_the_triton_kernel_runs_nvfp4_small_head_dims_in_64_channel_tiles(monkeypatch):
+    """The launch arguments (nothing runs: the kernel is replaced by a spy; needs triton importable): NVFP4 at D 16
+    and 32 gets HEAD_DP 64 and operands widened to match; the 8-bit rung keeps its own padded head dim."""
+    tk = pytest.importorskip("sage_compile.kernels.triton")
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((kw["HEAD_DP"], a[0].shape[-1], a[2].shape[2], kw["FP4"]))
+
+    monkeypatch.setattr(tk, "_attn_fwd", Spy())
+    monkeypatch.setattr(tk, "_capability", lambda device: (9, 0))
+    for d, quant, expected in ((16, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (32, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (64, spec.Scheme(qk="fp4", pv="fp4"), (64, 32, 64, True)),
+                               (32, spec.Scheme(), (32, 32, 32, False))):
+        q, k, v = random_qkv(1, 2, 1, 8, 20, d, seed=0)
+        args = _prepared_args(q, k, v, quant, 0, torch.bfloat16)
+        out = torch.empty(1, 2, 8, d, dtype=torch.bfloat16)
+        tk.launch(args, out, torch.empty(1, 2, 8))
+        assert launches[-1] == expected, (d, quant.qk)
 
 
 def _strided_copy(t: torch.Tensor, perm) -> torch.Tensor:
@@ -383,6 +443,21 @@ def test_the_contract_names_what_it_refuses():
     assert "delta_s is missing" in _contract_error(dataclasses.replace(args, scheme=spec.Scheme(smooth_q=True)))
     for mask in (torch.ones(1, 2, 8, 8, dtype=torch.bool), torch.zeros(1, 1, 8, 8).expand(1, 2, 8, 8)):
         _run_cpu(dataclasses.replace(args, attn_mask=mask))
+
+
+def test_the_contract_refuses_nvfp4_operands_that_do_not_fit():
+    """NVFP4's block scales come exactly with qk='fp4', as e4m3 in their shapes; V̂ᵀ holds whole 16-key blocks."""
+    q, k, v = random_qkv(1, 2, 1, 8, 20, 32, seed=0)
+    fp4 = _prepared_args(q, k, v, spec.Scheme(qk="fp4", pv="fp4"), 0, torch.bfloat16)
+    int8 = _prepared_args(q, k, v, spec.Scheme(), 0, torch.bfloat16)
+    assert "q_block_scale is missing" in _contract_error(dataclasses.replace(fp4, q_block_scale=None))
+    assert "k_block_scale is given" in _contract_error(dataclasses.replace(int8, k_block_scale=fp4.k_block_scale))
+    assert "v_block_scale.dtype" in _contract_error(dataclasses.replace(fp4, v_block_scale=fp4.v_block_scale.float()))
+    for field, value, message in (("q_block_scale", fp4.q_block_scale[..., :1], "q_block_scale has shape"),
+                                  ("v", fp4.v[..., :12], "multiple of 16"),
+                                  ("v_block_scale", fp4.v_block_scale[..., :1], "v_block_scale has shape")):
+        assert message in _contract_error(dataclasses.replace(fp4, **{field: value}))
+    _run_cpu(fp4)
 
 
 def test_wrong_shapes_are_refused_before_the_kernel_runs():

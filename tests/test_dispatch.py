@@ -1,7 +1,9 @@
 """Kernel choice: the preference order, SAGE_KERNELS, and each kernel's stated reason for refusing inputs."""
 import pytest
 import torch
+import torch.nn.functional as F
 
+from helpers import random_qkv
 from sage_compile import dispatch, kernels, spec
 from sage_compile.kernels import KERNEL_MODULES, KernelArgs, mask_problem
 
@@ -185,3 +187,32 @@ def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     short = torch.empty(1, 2, 4096, 128, device="meta")
     reason = sdpa_is_faster(AttentionCall(short, short, short, attn_mask=padded[..., :4096]), SageConfig(pv="fp16"))
     assert "key length 4096 < 16384" in reason and "pv='fp16' measured" in reason, reason
+
+
+def test_an_emulating_kernel_is_reported(monkeypatch):
+    """A family that computes a site in a format its device lacks (the Triton kernel's NVFP4 off Blackwell) says so:
+    a warning on the first call, a counter on every call, and explain's kernel column. The CPU kernel stands in."""
+    import sage_compile
+    from sage_compile import SageConfig, sage_attention
+    from sage_compile.kernels import cpu
+
+    monkeypatch.setattr(cpu, "emulation", lambda site: "NVFP4 emulated here" if site.scheme.fp4 else None,
+                        raising=False)
+    q, k, v = random_qkv(1, 2, 2, 32, 32, 64, seed=1)
+    config = SageConfig(qk="fp4", pv="fp4")
+    with pytest.warns(UserWarning, match="the cpu kernel runs NVFP4 emulated here"):
+        sage_attention(q, k, v, config=config)
+    sage_attention(q, k, v, config=config)
+    sage_attention(q, k, v)  # the 8-bit default: not emulated
+    assert torch._dynamo.utils.counters["sage"]["emulated"] == 2
+    explained = sage_compile.explain(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, config=config)
+    assert explained.sites[0].kernel == "cpu (NVFP4 emulated here)"
+
+
+def test_nvfp4_sites_have_no_threshold(monkeypatch):
+    """NVFP4 is not measured (on sm90 it is an emulation, asked for its numerics): no key length keeps it on SDPA."""
+    from sage_compile import thresholds
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert thresholds.min_seq_len(torch.device("cuda"), 128, False, pv="fp4") == 0
+    assert thresholds.min_seq_len(torch.device("cuda"), 128, False) > 0

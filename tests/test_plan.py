@@ -26,7 +26,7 @@ def test_calibrate_measures_every_site_at_every_rung_under_explains_names():
     names = [site.name for site in sage_compile.explain(model, x).sites]
     assert list(plan.sites) == names == ["blocks.0.attn#0", "blocks.1.attn#0"]
     for name in names:
-        assert list(plan.measured[name]) == list(RUNGS)
+        assert list(plan.measured[name]) == [rung for rung in RUNGS if rung != "nvfp4"]  # no FP4 tensor cores here
         for rung, stats in plan.measured[name].items():
             assert stats is not None and -1 <= stats["cos"] <= 1 and stats["rel_l1"] >= 0, (rung, stats)
         assert plan.measured[name]["sdpa"] == dict(cos=1.0, rel_l1=0.0)
@@ -46,6 +46,27 @@ def test_each_site_gets_the_first_rung_meeting_the_target():
     plan = calibrate(model, (x,), target=Target(cos=0.0, rel_l1=bar), progress=False)
     expected = next(rung for rung, stats in plan.measured[site].items() if stats["rel_l1"] <= bar)
     assert plan.sites[site] == expected and plan.measured[site][expected]["rel_l1"] <= bar
+
+
+def test_nvfp4_is_a_rung_only_where_it_runs_on_fp4_tensor_cores(monkeypatch):
+    """Without FP4 tensor cores (this CPU, a Hopper GPU) NVFP4 would be an emulation, slower than SDPA: calibrate never
+    measures it. Where the device has them and the site's kernel runs them (faked here: the CPU kernel stands in), it
+    heads the ladder, and a bar it meets makes it the site's rung."""
+    from sage_compile import kernels, plan as plan_module
+
+    model, x = _model_and_input()
+    query = x.new_empty(2, 4, 300, 16)
+    assert not plan_module.offered(RUNGS["nvfp4"], query, SageConfig())
+    assert plan_module.offered(RUNGS["per_token"], query, SageConfig())
+    assert plan_module.offered(None, query, SageConfig())  # SDPA
+    monkeypatch.setattr(kernels, "native_fp4", lambda device: True)
+    assert plan_module.offered(RUNGS["nvfp4"], query, SageConfig())
+    plan = calibrate(model, (x,), target=Target(cos=0.9, rel_l1=0.5), progress=False)
+    assert list(RUNGS)[0] == "nvfp4" and set(plan.sites.values()) == {"nvfp4"}
+    for by_rung in plan.measured.values():
+        assert 0.9 < by_rung["nvfp4"]["cos"] < by_rung["per_thread"]["cos"]
+    monkeypatch.setattr(sage_compile.dispatch, "emulation", lambda site: "emulated")
+    assert not plan_module.offered(RUNGS["nvfp4"], query, SageConfig())  # a device with FP4 whose kernel emulates
 
 
 def test_a_loader_of_batches_keeps_each_sites_worst_call():

@@ -253,3 +253,202 @@ def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
 def test_k_mean_sample_must_be_a_count():
     with pytest.raises(ValueError, match="k_mean_sample"):
         spec.Scheme(k_mean_sample=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# NVFP4 (qk = pv = "fp4"): the quantizer against brute-force nearest-value searches, then attention against a
+# float64 formulation that shares no code with spec.py.
+# --------------------------------------------------------------------------------------------------------------
+FP4 = spec.Scheme(qk="fp4", pv="fp4")
+E2M1 = torch.tensor(spec.E2M1_VALUES, dtype=torch.float64)
+E4M3_GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # 0 … 448, codes 0x00–0x7E
+
+
+def _nearest(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest entry of an ascending ``grid`` to each x ≥ 0 (float64), a tie to the even index (the even
+    code: E2M1's and E4M3's codes count up with their values), beyond the last entry the last one."""
+    distance = (x.clamp_max(grid[-1]).unsqueeze(-1) - grid).abs()
+    best = distance.min(dim=-1, keepdim=True).values
+    tied = distance == best
+    even = tied & (torch.arange(len(grid)) % 2 == 0)
+    return torch.where(even.any(-1), even.int().argmax(-1), tied.int().argmax(-1))
+
+
+def _brute_force_nvfp4(x: torch.Tensor) -> tuple:
+    """(codes' values ± E2M1, block scales) of x [..., 16·b] (float64, already in units of the second-level scale) by
+    nearest-value search in float64: s = the E4M3 value nearest amax/6, value = the E2M1 value nearest x/s."""
+    blocks = x.unflatten(-1, (-1, 16))
+    scale = E4M3_GRID[_nearest(blocks.abs().amax(-1) / 6, E4M3_GRID)]
+    s = scale.unsqueeze(-1)
+    ratio = torch.where(s > 0, blocks.abs() / s.clamp_min(1e-300), 0.0)
+    values = E2M1[_nearest(ratio, E2M1)] * torch.where(blocks < 0, -1.0, 1.0)
+    return values.flatten(-2), scale
+
+
+def test_fp4_is_one_rung_for_both_products():
+    with pytest.raises(ValueError, match="pv='fp4' too"):
+        spec.Scheme(qk="fp4")
+    with pytest.raises(ValueError, match="qk='fp4' too"):
+        spec.Scheme(pv="fp4")
+    assert spec.Scheme.decode(FP4.encode()) == FP4 and FP4.fp4
+    assert FP4.scale_shape(2, 3, 5, 64) == (2, 3, 5) and FP4.block_scale_shape(2, 3, 5, 64) == (2, 3, 5, 4)
+    assert spec.Scheme().block_scale_shape(2, 3, 5, 64) is None
+    assert spec.Scheme(qk="fp4", pv="fp4", smooth_q=True, k_granularity="per_block").fp4  # the other fields combine
+
+
+def test_e2m1_rounding_is_nearest_ties_to_even_and_saturating():
+    """Every E2M1 value, every midpoint (a tie: to the even code — 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2,
+    3.5 → 4, 5 → 4) and its fp32 neighbours, random values: the brute-force nearest value; beyond 6 and ±inf
+    saturate; NaN is code 0; the sign is bit 3."""
+    mids = (E2M1[1:] + E2M1[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([E2M1, mids, mids.float().nextafter(torch.tensor(math.inf)).double(),
+                   mids.float().nextafter(torch.tensor(0.0)).double(), torch.rand(10_000, generator=g).double() * 7,
+                   torch.tensor([6.5, 1e30, math.inf])])
+    x = torch.cat([x, -x]).float()
+    codes = spec.round_e2m1(x)
+    expected = E2M1[_nearest(x.double().abs(), E2M1)] * torch.where(x < 0, -1.0, 1.0)
+    assert codes.dtype == torch.uint8 and torch.equal(spec.e2m1_value(codes), expected)
+    assert spec.e2m1_value(spec.round_e2m1(mids.float())).tolist() == [0, 1, 1, 2, 2, 4, 4]
+    assert torch.equal((codes >= 8), x < 0)
+    assert spec.round_e2m1(torch.tensor([math.nan])).item() == 0
+
+
+def test_fp4_packing_puts_the_even_element_in_the_low_nibble():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(3)
+    packed = spec.pack_fp4(codes)
+    assert packed.dtype == torch.uint8 and packed[:2].tolist() == [0x10, 0x32]
+    assert torch.equal(spec.unpack_fp4(packed), codes)
+
+
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, 40), blocks=st.integers(1, 8),
+       spread=st.sampled_from([1.0, 1e3, 1e6]))
+def test_nvfp4_quantizer_matches_a_brute_force_search(seed, tokens, blocks, spread):
+    """quantize_nvfp4 against nearest-value searches over E4M3 and E2M1 (float64): the same block scales and values
+    except where x' lies within fp32 rounding of a midpoint (the spec multiplies by a rounded 1/s): none in these
+    draws. Blocks spanning ``spread`` in magnitude exercise E4M3's subnormals and the underflow of a block to 0."""
+    g = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(0, -math.log10(spread), blocks).repeat_interleave(16)
+    x = torch.randn(tokens, 16 * blocks, generator=g) * magnitudes
+    amax = x.abs().amax(-1)
+    packed, block_scale, delta = spec.quantize_nvfp4(x, amax)
+    assert torch.equal(delta, (amax / spec.FP4_RANGE).clamp_min(torch.finfo(torch.float32).tiny))
+    scaled = (x * (1 / delta)[:, None]).double()
+    values, scales = _brute_force_nvfp4(scaled)
+    assert torch.equal(block_scale.double(), scales)
+    assert (block_scale.float().amax(-1) == 448).all()  # the second level maps each token's largest block to 448
+    assert torch.equal(spec.fp4_values(packed, block_scale), values * scales.repeat_interleave(16, -1))
+
+
+def test_nvfp4_blocks_that_underflow_or_hold_zeros_quantize_to_zero():
+    x = torch.zeros(3, 64)
+    x[0, :16] = 1.0
+    x[0, 16:32] = 1e-7  # 2688e-7/6 = 4.5e-5 < 2^-10: E4M3's block scale underflows to 0
+    x[0, 32:48] = 4e-6  # 2688·4e-6/6 = 1.8e-3 ≈ 2^-9: E4M3's smallest subnormal, values kept
+    x[2, 5] = -3.0
+    packed, block_scale, delta = spec.quantize_nvfp4(x, x.abs().amax(-1))
+    values = spec.fp4_values(packed, block_scale)
+    assert block_scale[0].float().tolist() == [448.0, 0.0, 2 ** -9, 0.0] and (values[0, 16:32] == 0).all()
+    assert (values[0, 32:48] > 0).all() and (values[0, 48:] == 0).all()
+    assert delta[1] == torch.finfo(torch.float32).tiny
+    assert (packed[1] == 0).all() and (block_scale[1].float() == 0).all()
+    assert values[2, 5] == -6 * 448 and (values[2].count_nonzero() == 1)
+
+
+@pytest.mark.parametrize("n_k", [64, 70])
+def test_nvfp4_prepare_lays_out_the_contract(n_k):
+    """Packed codes and E4M3 block scales in the contract's shapes, contiguous (V̂ᵀ too, whether or not its keys needed
+    padding: the kernels read its packed keys with unit stride)."""
+    q, k, v = random_qkv(2, 4, 2, 33, n_k, 80, seed=2, layout="bnhd")
+    p = spec.prepare(q, k, v, 0.125, FP4)
+    keys = -(-n_k // 16) * 16
+    expected = dict(q=(2, 4, 33, 64), k=(2, 2, n_k, 64), v=(2, 2, 128, keys // 2), q_block_scale=(2, 4, 33, 8),
+                    k_block_scale=(2, 2, n_k, 8), v_block_scale=(2, 2, 128, keys // 16), q_scale=(2, 4, 33),
+                    k_scale=(2, 2, n_k), v_scale=(2, 2, 128))
+    for name, shape in expected.items():
+        t = getattr(p, name)
+        assert tuple(t.shape) == shape and t.is_contiguous(), (name, t.shape, t.stride())
+    assert p.q.dtype == p.k.dtype == p.v.dtype == torch.uint8 and p.v_block_scale.dtype == torch.float8_e4m3fn
+
+
+def test_nvfp4_prepare_keeps_the_special_value_rules():
+    """A NaN in q or k poisons its token's δ (NaN) with a zero payload; a NaN in v its channel's δV; keys past kv_lens
+    set no δ and never put a NaN in a payload or a block scale (spec.py, special values)."""
+    q, k, v = random_qkv(2, 2, 1, 40, 50, 64, seed=4, dtype=torch.float32)
+    q[0, 1, 7, 3] = math.nan
+    k[1, 0, 9, 0] = math.inf
+    v[0, 0, 11, 5] = math.nan
+    k[0, 0, 45:] = math.nan  # past batch 0's length
+    p = spec.prepare(q, k, v, 0.125, FP4, torch.tensor([40, 50]))
+    assert p.q_scale[0, 1, 7].isnan() and (p.q[0, 1, 7] == 0).all() and (p.q_block_scale[0, 1, 7].float() == 0).all()
+    assert p.k_scale[1, 0, 9].isnan() and (p.k[1, 0, 9] == 0).all()
+    assert p.v_scale[0, 0, 5].isnan() and (p.v[0, 0, 5] == 0).all() and (p.v_block_scale[0, 0, 5].float() == 0).all()
+    assert p.q_scale.isnan().sum() == 1 and p.v_scale.isnan().sum() == 1
+    assert not p.k_scale[0].isnan().any() and p.k_scale[1].isnan().sum() == 12  # key 9's per_thread group (default K)
+    assert not p.k_block_scale.float().isnan().any() and not p.v_block_scale.float().isnan().any()
+    out = spec.reference_attention(q, k, v, quant=FP4, kv_lens=torch.tensor([40, 50]))
+    assert out[0, 1, 7].isnan().all() and out[1, :, :, :].isnan().all() and out[0, :, :, 5].isnan().all()
+    out[0, 1, 7] = 0
+    out[0, :, :, 5] = 0
+    assert out[0].isfinite().all()
+
+
+def _float64_fp4_attention(p, causal, block_n):
+    """NVFP4 attention from spec.prepare's operands, in float64 without online softmax: scores from the dequantized
+    operands, P̃ of each key block quantized relative to that block's own row max — x' = 2688·exp2(S − max_block S),
+    which is what the spec's P̃·(1/δP) is whatever running max it was taken against — by ``_brute_force_nvfp4``."""
+    group = p.q.shape[1] // p.k.shape[1]
+    n_k = p.k.shape[2]
+
+    def dequantized(codes, block_scale):
+        signs = torch.where(spec.unpack_fp4(codes) >= 8, -1.0, 1.0)
+        return E2M1[(spec.unpack_fp4(codes) & 7).long()] * signs * block_scale.double().repeat_interleave(16, -1)
+
+    q = dequantized(p.q, p.q_block_scale) * p.q_scale.double()[..., None]
+    k = (dequantized(p.k, p.k_block_scale) * p.k_scale.double()[..., None]).repeat_interleave(group, 1)
+    v = (dequantized(p.v, p.v_block_scale)[..., :n_k] * p.v_scale.double()[..., None]).repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2)
+    allowed = spec.causal_allowed(q.shape[2], n_k, causal)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    weights = torch.zeros_like(s)
+    for start in range(0, n_k, block_n):
+        block = s[..., start:start + block_n]
+        block_max = block.amax(-1, keepdim=True)
+        scaled = torch.nn.functional.pad(spec.FP4_RANGE * torch.exp2(block - block_max), (0, -block.shape[-1] % 16))
+        values, scales = _brute_force_nvfp4(torch.nan_to_num(scaled))
+        p_hat = (values * scales.repeat_interleave(16, -1))[..., :block.shape[-1]]
+        weights[..., start:start + block_n] = p_hat * torch.exp2(block_max - m) / spec.FP4_RANGE
+    return (weights @ v.transpose(-1, -2)) / torch.exp2(s - m).sum(-1, keepdim=True)
+
+
+@given(shape=attention_shapes(max_n=130, head_dims=(32, 64, 80, 128)), seed=st.integers(0, 2**16),
+       causal=st.sampled_from([0, 1]), block_n=st.sampled_from([16, 64, 128]))
+def test_fp4_attention_matches_a_float64_formulation(shape, seed, causal, block_n):
+    """The spec's online softmax, two-level P scale and fp32 roundings against ``_float64_fp4_attention``. They round
+    differently only in fp32 (P̃, x', the products), ~2^-24 relative: an E2M1 or E4M3 rounding flips only where a value
+    lies that close to a midpoint (~1e-7 per element: ~1% of these draws see one), and a flip moves one row's output
+    by at most 0.4·p_j/l·|v_j|. Measured ≤ 1.2e-7 relative L1 over 150 such draws; bound 1e-4 over the whole output
+    (room for a flip), and rows that see one key agree to 1e-6."""
+    q, k, v = random_qkv(**shape, seed=seed, k_bias=1.0)
+    p = spec.prepare(q, k, v, shape["d"] ** -0.5, FP4)
+    out, _ = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, None, None, None,
+                                                None, causal, shape["d"], torch.float32, FP4, p.q_block_scale,
+                                                p.k_block_scale, p.v_block_scale, block_n=block_n)
+    expected = _float64_fp4_attention(p, causal, block_n)[..., :shape["d"]]
+    assert rel_l1(out, expected) <= 1e-4
+    if causal:
+        torch.testing.assert_close(out[:, :, 0].double(), expected[:, :, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_fp4_accuracy_against_fp32_sdpa():
+    """NVFP4's own error on N(0,1) inputs (the ~0.98 cosine of docs/results' NVFP4 row): measured 0.9816–0.9829 cosine
+    and 0.182–0.191 relative L1 over N 256–2048, D 64 and 128 (three seeds each; E2M1 keeps one mantissa bit, so P̂
+    and V̂ carry ~10% rounding per element and a row's flat softmax average does not cancel it). Bounds with margin:
+    cos ≥ 0.975, relative L1 ≤ 0.22; the int8/fp8 default's relative L1 is ~5× smaller on the same inputs."""
+    q, k, v = random_qkv(1, 4, 4, 512, 512, 64, seed=21)
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    out = spec.reference_attention(q, k, v, quant=FP4)
+    assert cosine(out, exact) >= 0.975 and rel_l1(out, exact) <= 0.22
+    assert rel_l1(spec.reference_attention(q, k, v), exact) < rel_l1(out, exact) / 3

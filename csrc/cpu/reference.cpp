@@ -1,6 +1,7 @@
 // Exact CPU kernel for sage.quantized_attention: bit-for-bit the algorithm of
 // sage_compile/spec.py::quantized_attention_reference (its docstring states the rounding rules), only
-// without the Python loop and without copying K/V per query head.
+// without the Python loop and without copying K/V per query head. NVFP4 (qk = pv = "fp4") runs the same
+// loop with its operands decoded to double (code × E4M3 block scale: both products exact, see spec.py).
 //
 // Not linked against libtorch on purpose (no ABI coupling): every tensor arrives from Python as
 // (data_ptr, dtype name, element strides); sizes come separately. Python validates shapes and dtypes;
@@ -29,6 +30,9 @@ namespace {
 
 constexpr float kPScale = 448.0f;  // spec.P_SCALE
 constexpr float kE4M3Max = 448.0f;
+constexpr float kFp4Max = 6.0f;  // spec.FP4_MAX
+constexpr float kFp4Range = 2688.0f;  // spec.FP4_RANGE = 448 · 6
+constexpr int64_t kFp4Block = 16;  // spec.FP4_BLOCK
 constexpr double kLog2e = 1.4426950408889634;  // spec.LOG2E, as the Python float
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -150,6 +154,36 @@ HOT float round_pv(float x, const PvFormat& pv) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// NVFP4 (spec.py's quantize_nvfp4): E2M1 codes (bit 3 the sign, bits 0-2 the magnitude's index).
+// ------------------------------------------------------------------------------------------------
+constexpr std::array<float, 8> kE2M1Values{0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+const PvFormat& e4m3_format() {
+  static const PvFormat format{3, -6, e4m3_table().data(), 1};
+  return format;
+}
+
+// spec.round_e2m1: nearest, ties to the even code (a midpoint goes up where the code above it is even),
+// saturating; NaN gives code 0, a negative x the sign bit.
+HOT uint32_t round_e2m1(float x) {
+  const float mag = std::fabs(x);
+  const uint32_t index = (mag > 0.25f) + (mag >= 0.75f) + (mag > 1.25f) + (mag >= 1.75f) + (mag > 2.5f) +
+                         (mag >= 3.5f) + (mag > 5.0f);
+  return index + (x < 0.0f ? 8u : 0u);
+}
+
+HOT double e2m1_value(uint32_t code) {
+  const double mag = kE2M1Values[code & 7];
+  return (code & 8) ? -mag : mag;
+}
+
+// spec.nvfp4_delta: the second-level scale of a group of absolute maximum amax.
+HOT float nvfp4_delta(float amax) {
+  if (!std::isfinite(amax)) return kNaN;
+  return std::max(amax / kFp4Range, std::numeric_limits<float>::min());
+}
+
+// ------------------------------------------------------------------------------------------------
 // Tensor views over raw pointers.
 // ------------------------------------------------------------------------------------------------
 using TensorArg = std::tuple<uintptr_t, std::string, std::vector<int64_t>>;
@@ -210,6 +244,26 @@ struct PvTensor {
     return pv.table[code];
   }
 };
+
+// An NVFP4 operand: codes two per byte along the reduction (the low nibble first), [a, b, row, reduction/2],
+// and one E4M3 scale per 16 of them, [a, b, row, reduction/16]. Element e of a row decodes to code × scale,
+// exact in double (spec.fp4_values).
+struct Fp4Tensor {
+  View<const uint8_t, 4> codes, scales;
+  const float* e4m3;
+
+  HOT double operator()(int64_t a, int64_t b, int64_t row, int64_t e) const {
+    const uint32_t byte = codes(a, b, row, e / 2);
+    return e2m1_value((e & 1) ? byte >> 4 : byte & 15) * e4m3[scales(a, b, row, e / kFp4Block)];
+  }
+};
+
+std::optional<Fp4Tensor> fp4_tensor(const TensorArg& codes, const std::optional<TensorArg>& scales, const char* name,
+                                    const char* scales_name) {
+  if (!scales) return std::nullopt;
+  return Fp4Tensor{view<const uint8_t, 4>(codes, name, "uint8"),
+                   view<const uint8_t, 4>(*scales, scales_name, "float8_e4m3fn"), e4m3_table().data()};
+}
 
 // out is bf16, fp16 (encoded with `fmt`) or fp32 (fmt == nullptr).
 struct OutTensor {
@@ -331,7 +385,8 @@ HOT void store(T* to, const Vec& v) {
 struct Problem {
   int64_t batch, hq, hkv, n_q, n_k, dp, head_dim, q_group, block_n;
   int causal;
-  View<const int8_t, 4> q, k;
+  View<const int8_t, 4> q, k;  // integer QK types
+  std::optional<Fp4Tensor> q4, k4, v4;  // NVFP4 (then q, k and v are not read)
   View<const float, 3> q_scale, k_scale, v_scale;
   std::optional<View<const float, 3>> v_mean;
   std::optional<View<const float, 4>> delta_s;
@@ -340,6 +395,8 @@ struct Problem {
   PvTensor v;
   OutTensor out;
   View<float, 3> lse;
+  bool fp4 = q4.has_value();
+  float p_scale = fp4 ? 1.0f : kPScale;  // spec.p_scale
   // Tiles compute whole vectors: up to dp_vec along d (the lanes past dp are computed, never read).
   int64_t dp_vec = round_up(dp, kDoubleLanes);
   // Scratch row strides: one vector more than needed, so that the transposing loads, which write down
@@ -359,11 +416,15 @@ struct Workspace {
   std::vector<double> p_hat;    // [kRowBlock][block_n]
   std::vector<float> o32;       // [kRowBlock][dp_vec]
   std::vector<float> m, l, alpha;  // [kRowBlock]
+  std::vector<float> p_delta;   // [kRowBlock]: δP of the key block (fp4), else 1
+  std::vector<double> q_rows4;  // fp4: [kRowBlock][dp] decoded Q̂ rows
+  std::vector<double> k_t4;     // fp4: [dp][key_stride] decoded K̂ᵀ of the key block
 
   explicit Workspace(const Problem& pb)
-      : q_rows(kRowBlock * pb.dp), k_t(pb.dp * pb.key_stride), k_scale(pb.block_n),
+      : q_rows(pb.fp4 ? 0 : kRowBlock * pb.dp), k_t(pb.fp4 ? 0 : pb.dp * pb.key_stride), k_scale(pb.block_n),
         v_t(pb.block_n * pb.dp_stride), s(kRowBlock * pb.key_stride), p_hat(kRowBlock * pb.block_n),
-        o32(kRowBlock * pb.dp_vec), m(kRowBlock), l(kRowBlock), alpha(kRowBlock) {}
+        o32(kRowBlock * pb.dp_vec), m(kRowBlock), l(kRowBlock), alpha(kRowBlock), p_delta(kRowBlock, 1.0f),
+        q_rows4(pb.fp4 ? kRowBlock * pb.dp : 0), k_t4(pb.fp4 ? pb.dp * pb.key_stride : 0) {}
 };
 
 // torch.maximum and amax propagate NaN; std::max would drop it depending on argument order.
@@ -383,17 +444,31 @@ HOT bool key_allowed(const Problem& pb, int64_t b, int64_t i, int64_t j) {
 
 HOT void load_query_rows(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t r0, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < pb.dp; ++d) ws.q_rows[r * pb.dp + d] = pb.q(b, h, r0 + r, d);
+    for (int64_t d = 0; d < pb.dp; ++d) {
+      if (pb.fp4) {
+        ws.q_rows4[r * pb.dp + d] = (*pb.q4)(b, h, r0 + r, d);
+      } else {
+        ws.q_rows[r * pb.dp + d] = pb.q(b, h, r0 + r, d);
+      }
+    }
   }
 }
 
 HOT void load_key_block(const Problem& pb, Workspace& ws, int64_t b, int64_t hk, int64_t start, int64_t cols) {
   for (int64_t j = 0; j < cols; ++j) {
     ws.k_scale[j] = pb.k_scale(b, hk, start + j);
-    for (int64_t d = 0; d < pb.dp; ++d) ws.k_t[d * pb.key_stride + j] = pb.k(b, hk, start + j, d);
+    for (int64_t d = 0; d < pb.dp; ++d) {
+      if (pb.fp4) {
+        ws.k_t4[d * pb.key_stride + j] = (*pb.k4)(b, hk, start + j, d);
+      } else {
+        ws.k_t[d * pb.key_stride + j] = pb.k(b, hk, start + j, d);
+      }
+    }
   }
   for (int64_t d = 0; d < pb.dp; ++d) {
-    for (int64_t j = 0; j < cols; ++j) ws.v_t[j * pb.dp_stride + d] = pb.v(b, hk, d, start + j);
+    for (int64_t j = 0; j < cols; ++j) {
+      ws.v_t[j * pb.dp_stride + d] = pb.fp4 ? (*pb.v4)(b, hk, d, start + j) : pb.v(b, hk, d, start + j);
+    }
   }
 }
 
@@ -411,10 +486,25 @@ HOT void qk_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
   }
 }
 
-// P̂·V̂ of kTileRows rows, then o32 = o32·α + P̂·V̂. The product runs in double with j in order for
-// every element (vectors run along d): that is the spec's float64 matmul exactly, since for e4m3 every
-// partial sum is exact (see spec.py), and so is each fp16 product, leaving only the order of an inexact
-// fp16 sum, which the spec does not fix either.
+// NVFP4's dot products: decoded operands in double, where every product and partial sum is exact (spec.py,
+// step 4'), so any order gives the spec's float64 matmul; rounded once to fp32.
+HOT void qk_tile_fp4(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
+  for (int64_t j0 = 0; j0 < cols; j0 += kDoubleLanes) {
+    Doubles acc[kTileRows] = {};
+    for (int64_t d = 0; d < pb.dp; ++d) {
+      const Doubles k = load<Doubles>(&ws.k_t4[d * pb.key_stride + j0]);
+      for (int64_t r = 0; r < kTileRows; ++r) acc[r] += ws.q_rows4[(r0 + r) * pb.dp + d] * k;
+    }
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      store(&ws.s[(r0 + r) * pb.key_stride + j0], __builtin_convertvector(acc[r], HalfFloats));
+    }
+  }
+}
+
+// P̂·V̂ of kTileRows rows, then o32 = o32·α + P̂·V̂·δP (δP = 1, exact, but for fp4). The product runs in
+// double with j in order for every element (vectors run along d): that is the spec's float64 matmul exactly,
+// since for e4m3 and fp4 every partial sum is exact (see spec.py), and so is each fp16 product, leaving only
+// the order of an inexact fp16 sum, which the spec does not fix either.
 HOT void pv_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
   for (int64_t d0 = 0; d0 < pb.dp_vec; d0 += kDoubleLanes) {
     Doubles acc[kTileRows] = {};
@@ -424,7 +514,8 @@ HOT void pv_tile(const Problem& pb, Workspace& ws, int64_t r0, int64_t cols) {
     }
     for (int64_t r = 0; r < kTileRows; ++r) {
       float* o32 = &ws.o32[(r0 + r) * pb.dp_vec + d0];
-      store(o32, load<HalfFloats>(o32) * ws.alpha[r0 + r] + __builtin_convertvector(acc[r], HalfFloats));
+      store(o32, load<HalfFloats>(o32) * ws.alpha[r0 + r] +
+                     __builtin_convertvector(acc[r], HalfFloats) * ws.p_delta[r0 + r]);
     }
   }
 }
@@ -452,6 +543,33 @@ HOT void row_scores(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int6
   for (int64_t j = 0; j < cols; ++j) s[j] = key_allowed(pb, b, i, start + j) ? s[j] : -kInf;
 }
 
+// spec.quantize_p_fp4 on row r's P̃ (in ws.s): δP from the row's max, then 16-key blocks from the key block's
+// start — s = e4m3(amax(x')/6), codes e2m1(x'·(1/s)) — decoded into p_hat.
+HOT void quantize_p_fp4(const Problem& pb, Workspace& ws, int64_t r, int64_t cols) {
+  const float* p = &ws.s[r * pb.key_stride];
+  float row_max = p[0];
+  for (int64_t j = 1; j < cols; ++j) row_max = nan_max(row_max, p[j]);
+  const float delta = nvfp4_delta(row_max);
+  const float inv = 1.0f / delta;
+  double* p_hat = &ws.p_hat[r * pb.block_n];
+  for (int64_t b0 = 0; b0 < cols; b0 += kFp4Block) {
+    const int64_t end = std::min(b0 + kFp4Block, cols);
+    float scaled[kFp4Block];
+    float amax = 0.0f;
+    for (int64_t j = b0; j < end; ++j) {
+      const float x = p[j] * inv;
+      scaled[j - b0] = std::isfinite(x) ? x : 0.0f;  // a NaN row (δP NaN) quantizes to 0, as in the spec
+      amax = std::max(amax, std::fabs(scaled[j - b0]));
+    }
+    const float block_scale = round_pv(amax / kFp4Max, e4m3_format());
+    const float inv_scale = block_scale > 0.0f ? 1.0f / block_scale : 0.0f;
+    for (int64_t j = b0; j < end; ++j) {
+      p_hat[j] = e2m1_value(round_e2m1(scaled[j - b0] * inv_scale)) * static_cast<double>(block_scale);
+    }
+  }
+  ws.p_delta[r] = delta;
+}
+
 // The spec's online-softmax step for query row i (row r of the task), up to the P̂·V̂ product.
 HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t i, int64_t r,
                          int64_t start, int64_t cols) {
@@ -467,8 +585,12 @@ HOT void softmax_step(const Problem& pb, Workspace& ws, int64_t b, int64_t h, in
     s[j] = exp2_fp32(s[j] - m_safe);  // now P̃
     p_sum += static_cast<double>(s[j]);
   }
-  double* p_hat = &ws.p_hat[r * pb.block_n];
-  for (int64_t j = 0; j < cols; ++j) p_hat[j] = round_pv(s[j] * kPScale, pb.v.pv);  // apart: vectorizes
+  if (pb.fp4) {
+    quantize_p_fp4(pb, ws, r, cols);
+  } else {
+    double* p_hat = &ws.p_hat[r * pb.block_n];
+    for (int64_t j = 0; j < cols; ++j) p_hat[j] = round_pv(s[j] * kPScale, pb.v.pv);  // apart: vectorizes
+  }
   ws.l[r] = ws.l[r] * ws.alpha[r] + static_cast<float>(p_sum);
   ws.m[r] = m_new;
 }
@@ -480,7 +602,7 @@ HOT void finish_row(const Problem& pb, const Workspace& ws, int64_t b, int64_t h
                        int64_t r) {
   const float l = ws.l[r] + pb.q_scale(b, h, i) * 0.0f;
   const bool has_keys = l != 0.0f;
-  const float inv = has_keys ? 1.0f / (l * kPScale) : 0.0f;
+  const float inv = has_keys ? 1.0f / (l * pb.p_scale) : 0.0f;
   const float* o32 = &ws.o32[r * pb.dp_vec];
   for (int64_t d = 0; d < pb.head_dim; ++d) {
     float o = o32[d] * inv * pb.v_scale(b, hk, d);
@@ -504,7 +626,13 @@ void attend_rows(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t
   for (int64_t start = 0; start < pb.n_k; start += pb.block_n) {
     const int64_t cols = std::min(pb.block_n, pb.n_k - start);
     load_key_block(pb, ws, b, hk, start, cols);
-    for (int64_t t = 0; t < tile_rows; t += kTileRows) qk_tile(pb, ws, t, cols);
+    for (int64_t t = 0; t < tile_rows; t += kTileRows) {
+      if (pb.fp4) {
+        qk_tile_fp4(pb, ws, t, cols);
+      } else {
+        qk_tile(pb, ws, t, cols);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) softmax_step(pb, ws, b, h, r0 + r, r, start, cols);
     for (int64_t t = 0; t < tile_rows; t += kTileRows) pv_tile(pb, ws, t, cols);
   }
@@ -536,7 +664,8 @@ void quantized_attention(const TensorArg& q, const TensorArg& q_scale, const Ten
                          const std::optional<TensorArg>& kv_lens, const std::optional<TensorArg>& attn_mask,
                          const TensorArg& out, const TensorArg& lse,
                          const std::array<int64_t, 6>& sizes, int64_t head_dim, int64_t q_group, int64_t causal,
-                         int64_t block_n, int num_threads) {
+                         int64_t block_n, int num_threads, const std::optional<TensorArg>& q_block_scale,
+                         const std::optional<TensorArg>& k_block_scale, const std::optional<TensorArg>& v_block_scale) {
   const auto [batch, hq, hkv, n_q, n_k, dp] = sizes;
   // Only what keeps this function from dividing by zero or indexing past what Python sized.
   check(batch >= 0 && n_q >= 0 && n_k >= 0 && dp >= 0, "negative size");
@@ -546,16 +675,25 @@ void quantized_attention(const TensorArg& q, const TensorArg& q_scale, const Ten
   check(dp <= kMaxExactDp, "Dp > 1024: fp32 dot products would no longer be exact");
   check(causal >= 0 && causal <= 2, "causal must be 0, 1 or 2");
   check(num_threads > 0, "num_threads must be positive");
+  const bool fp4 = q_block_scale.has_value();
+  check(fp4 == k_block_scale.has_value() && fp4 == v_block_scale.has_value(),
+        "q_block_scale, k_block_scale and v_block_scale come together (NVFP4) or not at all");
+  check(!fp4 || (dp % kFp4Block == 0 && block_n % kFp4Block == 0),
+        "NVFP4 needs Dp and block_n multiples of 16");
   const Problem pb{
       batch, hq, hkv, n_q, n_k, dp, head_dim, q_group, block_n, static_cast<int>(causal),
-      view<const int8_t, 4>(q, "q", "int8"), view<const int8_t, 4>(k, "k", "int8"),
+      fp4 ? View<const int8_t, 4>{} : view<const int8_t, 4>(q, "q", "int8"),
+      fp4 ? View<const int8_t, 4>{} : view<const int8_t, 4>(k, "k", "int8"),
+      fp4_tensor(q, q_block_scale, "q", "q_block_scale"), fp4_tensor(k, k_block_scale, "k", "k_block_scale"),
+      fp4_tensor(v, v_block_scale, "v", "v_block_scale"),
       view<const float, 3>(q_scale, "q_scale", "float32"), view<const float, 3>(k_scale, "k_scale", "float32"),
       view<const float, 3>(v_scale, "v_scale", "float32"),
       optional_view<const float, 3>(v_mean, "v_mean", "float32"),
       optional_view<const float, 4>(delta_s, "delta_s", "float32"), kv_lens_view(kv_lens),
       attn_mask_view(attn_mask),
-      PvTensor{reinterpret_cast<const uint8_t*>(std::get<0>(v)), checked_strides<4>(v, "v"),
-               pv_format(std::get<1>(v))},
+      fp4 ? PvTensor{nullptr, {}, e4m3_format()}
+          : PvTensor{reinterpret_cast<const uint8_t*>(std::get<0>(v)), checked_strides<4>(v, "v"),
+                     pv_format(std::get<1>(v))},
       out_tensor(out), view<float, 3>(lse, "lse", "float32")};
   py::gil_scoped_release no_gil;
   run(pb, num_threads);
@@ -568,6 +706,13 @@ void round_pv_hook(uintptr_t src, uintptr_t dst, int64_t n, const std::string& p
   const auto* from = reinterpret_cast<const float*>(src);
   auto* to = reinterpret_cast<float*>(dst);
   for (int64_t e = 0; e < n; ++e) to[e] = round_pv(from[e], pv);
+}
+
+// round_e2m1: float32 → uint8 E2M1 codes, as spec.round_e2m1.
+void round_e2m1_hook(uintptr_t src, uintptr_t dst, int64_t n) {
+  const auto* from = reinterpret_cast<const float*>(src);
+  auto* to = reinterpret_cast<uint8_t*>(dst);
+  for (int64_t e = 0; e < n; ++e) to[e] = static_cast<uint8_t>(round_e2m1(from[e]));
 }
 
 // cast: float32 → bfloat16 / float16 codes (outputs), or float8_e4m3fn / float16 codes → float32 (V̂).
@@ -601,12 +746,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("quantized_attention", &quantized_attention,
         "Writes out [B,Hq,Nq,head_dim] and lse [B,Hq,Nq] through their strides. Each tensor is "
         "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). attn_mask (bool or "
-        "fp32) is indexed [b, h, i, j]: broadcast dimensions must come with stride 0. Runs on num_threads "
+        "fp32) is indexed [b, h, i, j]: broadcast dimensions must come with stride 0. With the three E4M3 "
+        "block scales q, k and v are NVFP4 (uint8, two E2M1 codes per byte). Runs on num_threads "
         "OpenMP threads without the GIL.",
         py::kw_only(), py::arg("q"), py::arg("q_scale"), py::arg("k"), py::arg("k_scale"), py::arg("v"),
         py::arg("v_scale"), py::arg("v_mean"), py::arg("delta_s"), py::arg("kv_lens"), py::arg("attn_mask"),
         py::arg("out"), py::arg("lse"), py::arg("sizes"), py::arg("head_dim"), py::arg("q_group"),
-        py::arg("causal"), py::arg("block_n"), py::arg("num_threads"));
+        py::arg("causal"), py::arg("block_n"), py::arg("num_threads"), py::arg("q_block_scale") = py::none(),
+        py::arg("k_block_scale") = py::none(), py::arg("v_block_scale") = py::none());
+  m.def("_round_e2m1", &round_e2m1_hook, "Test hook: E2M1 rounding (spec.round_e2m1), fp32 → uint8 codes.",
+        py::arg("src"), py::arg("dst"), py::arg("n"));
   m.def("_round_pv", &round_pv_hook, "Test hook: P̂ rounding (clamp to ±448, round to pv_dtype), fp32 → fp32.",
         py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("pv_dtype"));
   m.def("_cast", &cast_hook, "Test hook: fp32 → bf16/fp16 codes (outputs), e4m3fn/fp16 codes → fp32 (V̂).",

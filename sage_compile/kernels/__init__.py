@@ -5,14 +5,16 @@ Each family module exposes:
 * ``supports(site: KernelSite) -> str | None`` — pure, in terms of the scheme, device, dtype and head dim:
   None when the family runs such a site, else the reason (explain and doctor show it);
 * ``accepts(args: KernelArgs) -> str | None`` — what only the real tensors tell (strides, alignment, sizes);
-* ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks.
+* ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks;
+* optionally ``emulation(site: KernelSite) -> str | None`` — why the family computes a site in a format the device
+  has no instructions for (NVFP4 off Blackwell), or None: the dispatcher warns once and explain says so.
 ``sage_compile.dispatch`` picks the first family, in ``KERNEL_MODULES`` order, whose ``supports`` and ``accepts``
 both pass; ``run(module, args, out, lse)`` below runs one family directly, with every check.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -50,22 +52,66 @@ class KernelArgs:
     head_dim: int
     out_dtype: torch.dtype
     scheme: Scheme
+    q_block_scale: Optional[torch.Tensor] = None  # NVFP4 (scheme.fp4): E4M3 block scales (spec.Prepared)
+    k_block_scale: Optional[torch.Tensor] = None
+    v_block_scale: Optional[torch.Tensor] = None
 
     @classmethod
     def from_prepared(cls, p, kv_lens, causal: int, head_dim: int, out_dtype: torch.dtype,
                       attn_mask: Optional[torch.Tensor] = None) -> "KernelArgs":
         """The op's inputs from a ``spec.Prepared`` (what sage.attention passes to sage.quantized_attention)."""
         return cls(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, attn_mask,
-                   causal, head_dim, out_dtype, p.scheme)
+                   causal, head_dim, out_dtype, p.scheme, p.q_block_scale, p.k_block_scale, p.v_block_scale)
 
     @property
     def device(self) -> torch.device:
         return self.q.device
 
     @property
+    def padded_head_dim(self) -> int:
+        """Dp: q's last dim times the values each storage element packs (two E2M1 codes per byte for fp4)."""
+        return self.q.shape[-1] * self.scheme.qk_type.packing
+
+    @property
     def site(self) -> KernelSite:
-        return KernelSite(self.scheme, self.q.device, self.out_dtype, self.q.shape[-1], self.causal,
+        return KernelSite(self.scheme, self.q.device, self.out_dtype, self.padded_head_dim, self.causal,
                           self.attn_mask is not None)
+
+
+# Compute capability majors with FP4 tensor cores (sm100/sm103, sm120/sm121: Blackwell), where NVFP4 runs natively.
+NATIVE_FP4_MAJORS = (10, 12)
+
+
+def native_fp4(device: torch.device) -> bool:
+    """Whether ``device`` multiplies NVFP4 (E2M1 with E4M3 16-element block scales) in its tensor cores; elsewhere
+    the fp4 rung is an emulation, run for its numerics."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in NATIVE_FP4_MAJORS
+
+
+def widen_fp4_channels(args: KernelArgs, padded_head_dim: int) -> KernelArgs:
+    """NVFP4 ``args`` with their channels zero-padded from Dp to ``padded_head_dim``: Q̂'s and K̂'s codes and block
+    scales along their last dim, V̂ᵀ's codes and block scales along its channel dim, δV and μV too. A zero block scale
+    zeroes its block, so a padded channel adds nothing to any score and holds 0 in the output accumulator; out keeps
+    the first head_dim channels: the same out and lse, bit for bit (tests/test_cpu_kernel.py). For a kernel that runs
+    wider channel tiles than a head dim pads to (kernels/triton.py, FP4_MIN_TILE_DP)."""
+    from .. import spec
+
+    pad = padded_head_dim - args.padded_head_dim
+    if not args.scheme.fp4 or pad < 0 or pad % spec.FP4_BLOCK:
+        raise ValueError(f"widen_fp4_channels: NVFP4 args (qk={args.scheme.qk!r}) from Dp={args.padded_head_dim} to "
+                         f"{padded_head_dim}: expected qk='fp4' and a wider multiple of 16")
+
+    def pad_bytes(t, last):  # e4m3 padded through its bytes; ``last``: the pad of each dim from the last one
+        return torch.nn.functional.pad(t.view(torch.uint8), last).view(t.dtype)
+
+    def vector(t):  # δV, μV [B, Hkv, Dp]
+        return None if t is None else torch.nn.functional.pad(t, (0, pad))
+
+    return replace(args, q=pad_bytes(args.q, (0, pad // 2)), k=pad_bytes(args.k, (0, pad // 2)),
+                   q_block_scale=pad_bytes(args.q_block_scale, (0, pad // 16)),
+                   k_block_scale=pad_bytes(args.k_block_scale, (0, pad // 16)),
+                   v=pad_bytes(args.v, (0, 0, 0, pad)), v_block_scale=pad_bytes(args.v_block_scale, (0, 0, 0, pad)),
+                   v_scale=vector(args.v_scale), v_mean=vector(args.v_mean))
 
 
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
@@ -88,7 +134,9 @@ def run(module, args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     module.launch(args, out, lse)
 
 
-_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask")
+_TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean", "delta_s", "kv_lens", "attn_mask",
+                  "q_block_scale", "k_block_scale", "v_block_scale")
+_BLOCK_SCALE_FIELDS = ("q_block_scale", "k_block_scale", "v_block_scale")
 _MASK_DTYPES = (torch.bool, torch.float32)  # bool: True = attend; float32: added to the base-2 score
 
 
@@ -144,22 +192,23 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None
     if args.q.dim() != 4 or args.k.dim() != 4:
         raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
                          f"{tuple(args.k.shape)}")
-    batch, hq, n_q, dp = args.q.shape
+    batch, hq, n_q, _ = args.q.shape
+    dp = args.padded_head_dim
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"sage.quantized_attention: Hq={hq} is not a multiple of Hkv={hkv}")
     if not 1 <= args.head_dim <= dp or args.causal not in spec.CAUSAL_NAMES:
         raise ValueError(f"sage.quantized_attention: head_dim={args.head_dim} (Dp={dp}), causal={args.causal} "
                          "out of range")
-    for name, present, wanted in (("delta_s", args.delta_s is not None, scheme.smooth_q),
-                                  ("v_mean", args.v_mean is not None, scheme.smooth_v)):
-        if present != wanted:
-            raise ValueError(f"sage.quantized_attention: {name} is {'given' if present else 'missing'} but the "
-                             f"scheme has {'smooth_q' if name == 'delta_s' else 'smooth_v'}={wanted}")
+    _check_presence(args)
+    packing = scheme.qk_type.packing
     expected = {
+        "q": (batch, hq, n_q, dp // packing),
         "q_scale": scheme.scale_shape(batch, hq, n_q, dp),
-        "k": (batch, hkv, n_k, dp),
+        "q_block_scale": scheme.block_scale_shape(batch, hq, n_q, dp),
+        "k": (batch, hkv, n_k, dp // packing),
         "k_scale": scheme.scale_shape(batch, hkv, n_k, dp),
+        "k_block_scale": scheme.block_scale_shape(batch, hkv, n_k, dp),
         "v_scale": (batch, hkv, dp),
         "v_mean": (batch, hkv, dp),
         "delta_s": (batch, hq, math.ceil(n_q / scheme.q_block), n_k),
@@ -169,7 +218,8 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None
     }
     dtypes = {"q": (scheme.qk_type.storage,), "k": (scheme.qk_type.storage,), "v": (scheme.pv_type.storage,),
               "kv_lens": KV_LENS_DTYPES, "out": (args.out_dtype,), "lse": (torch.float32,),
-              **{name: (torch.float32,) for name in _SCALE_FIELDS}}
+              **{name: (torch.float32,) for name in _SCALE_FIELDS},
+              **{name: (torch.float8_e4m3fn,) for name in _BLOCK_SCALE_FIELDS}}
     if args.out_dtype not in _OUT_DTYPES:
         raise ValueError(f"sage.quantized_attention: out_dtype={args.out_dtype}; expected one of {_OUT_DTYPES}")
     tensors = {name: getattr(args, name) for name in _TENSOR_FIELDS}
@@ -189,7 +239,38 @@ def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None
     if mask_reason is not None:
         raise ValueError(f"sage.quantized_attention: {mask_reason}")
     v_shape = tuple(args.v.shape)
-    if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_shape[3] < n_k:
-        raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, >={n_k})")
+    v_keys = v_shape[3] * scheme.pv_type.packing if len(v_shape) == 4 else 0
+    if len(v_shape) != 4 or v_shape[:3] != (batch, hkv, dp) or v_keys < n_k:
+        raise ValueError(f"sage.quantized_attention: v has shape {v_shape}, expected ({batch}, {hkv}, {dp}, "
+                         f">={-(-n_k // scheme.pv_type.packing)})")
+    if scheme.fp4:
+        _check_v_blocks(args, v_keys)
     if scheme.k_thread_groups and args.device.type == "cpu":  # a kernel may read one δK per group: verify where cheap
         spec.check_k_thread_groups(args.k_scale)
+
+
+def _check_presence(args: KernelArgs) -> None:
+    """The optional tensors are given exactly where the scheme needs them."""
+    scheme = args.scheme
+    needed = {"delta_s": (scheme.smooth_q, f"smooth_q={scheme.smooth_q}"),
+              "v_mean": (scheme.smooth_v, f"smooth_v={scheme.smooth_v}"),
+              **{name: (scheme.fp4, f"qk={scheme.qk!r} (block scales come with qk='fp4')")
+                 for name in _BLOCK_SCALE_FIELDS}}
+    for name, (wanted, why) in needed.items():
+        present = getattr(args, name) is not None
+        if present != wanted:
+            raise ValueError(f"sage.quantized_attention: {name} is {'given' if present else 'missing'} but the "
+                             f"scheme has {why}")
+
+
+def _check_v_blocks(args: KernelArgs, v_keys: int) -> None:
+    """NVFP4's V̂ᵀ: keys padded to whole 16-key blocks, one E4M3 block scale per channel and block."""
+    from .. import spec
+
+    if v_keys % spec.FP4_BLOCK:
+        raise ValueError(f"sage.quantized_attention: v holds {v_keys} keys; NVFP4 pads them to a multiple of "
+                         f"{spec.FP4_BLOCK}")
+    expected = (*args.v.shape[:3], v_keys // spec.FP4_BLOCK)
+    if tuple(args.v_block_scale.shape) != expected:
+        raise ValueError(f"sage.quantized_attention: v_block_scale has shape {tuple(args.v_block_scale.shape)}, "
+                         f"expected {expected}")

@@ -15,8 +15,8 @@ from . import KernelArgs, KernelSite, broadcast_strides
 
 NAME = "cpu"
 
-QK_TYPES = ("int8", "int4")  # int4 values are stored in int8: the same products
-PV_TYPES = ("fp8", "fp16")
+QK_TYPES = ("int8", "int4", "fp4")  # int4 values are stored in int8: the same products; fp4 decoded to double
+PV_TYPES = ("fp8", "fp16", "fp4")
 
 
 def supports(site: KernelSite) -> Optional[str]:
@@ -35,16 +35,18 @@ def accepts(args: KernelArgs) -> Optional[str]:
 
 def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
-    batch, hq, n_q, dp = args.q.shape
+    batch, hq, n_q, _ = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     _C.quantized_attention(
         q=_tensor_arg(args.q), q_scale=_tensor_arg(args.q_scale), k=_tensor_arg(args.k),
         k_scale=_tensor_arg(args.k_scale), v=_tensor_arg(args.v), v_scale=_tensor_arg(args.v_scale),
         v_mean=_tensor_arg(args.v_mean), delta_s=_tensor_arg(args.delta_s), kv_lens=_tensor_arg(args.kv_lens),
         attn_mask=_mask_arg(args.attn_mask), out=_tensor_arg(out), lse=_tensor_arg(lse),
-        sizes=(batch, hq, hkv, n_q, n_k, dp),
+        sizes=(batch, hq, hkv, n_q, n_k, args.padded_head_dim),
         head_dim=args.head_dim, q_group=args.scheme.q_block, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
         num_threads=torch.get_num_threads(),  # honour torch.set_num_threads, like torch's own CPU ops
+        q_block_scale=_tensor_arg(args.q_block_scale), k_block_scale=_tensor_arg(args.k_block_scale),
+        v_block_scale=_tensor_arg(args.v_block_scale),
     )
 
 

@@ -11,6 +11,8 @@ NAME = "sage"
 def unsupported(scheme):
     if scheme.smooth_q:
         return "smooth_q=True: the 8-bit backward has no term for Q's smoothing (ΔS)"
+    if scheme.fp4:
+        return "qk='fp4': the 8-bit backward multiplies the forward's INT8 Q̂ and K̂, and NVFP4 has none"
     return None
 
 
