@@ -48,7 +48,9 @@ MEASURED_PER_THREAD_K = {
 # causal 4K 0.85, 16K 1.11 → from 16K (8K not measured). per_thread K: non-causal 4K 1.03, 16K 1.27; causal 4K 0.92,
 # 16K 1.20 (again with per_thread the default: 4K 1.09, 16K 1.24; causal 4K 0.94, 16K 1.23). D=64, per_thread K
 # (eager, one round): non-causal 4K 1.06, 16K 1.18, 32K 1.06; causal 4K 0.93, 16K 1.16, 32K 1.14 → non-causal from 4K,
-# causal from 16K (8K not measured); per-token K: 4K 0.90, 16K 1.00, 32K 1.00 → never.
+# causal from 16K (8K not measured); per-token K: 4K 0.90, 16K 1.00, 32K 1.00 → never. per_thread K, rounds 3,
+# ``bench eager --n 4096,8192``: D=128 non-causal 4K 0.92, 8K 1.25; causal 4K 0.54, 8K 1.14; D=64 non-causal 4K 1.04,
+# 8K 1.16; causal 4K 0.93, 8K 1.07 → D=128 from 8K, D=64 non-causal from 4K, causal from 8K.
 MEASURED_STANDALONE = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,
@@ -56,10 +58,10 @@ MEASURED_STANDALONE = {
     (9, 64, True): NEVER,
 }
 MEASURED_STANDALONE_PER_THREAD_K = {
-    (9, 128, False): 4096,
-    (9, 128, True): 16384,
+    (9, 128, False): 8192,
+    (9, 128, True): 8192,
     (9, 64, False): 4096,
-    (9, 64, True): 16384,
+    (9, 64, True): 8192,
 }
 MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass of its own"
 
