@@ -1,7 +1,8 @@
 """Build: the C++ CPU reference always; the CUDA kernels only where they can run (never required).
 
-CUDA kernels (today: ``sage_compile._sm90``, Hopper wgmma) are built when nvcc is found and an arch
-they target is named or present:
+CUDA kernels (``sage_compile._sm90``: Hopper wgmma; ``sage_compile._sm89``: INT4 QK on mma.sync, for Ada — also
+built for Hopper, where it runs emulated, for its tests) are built when nvcc is found and an arch they target is
+named or present:
   SAGE_CUDA_ARCHS="90a"   build for these archs (";"- or ","-separated; "" or "none": build no CUDA);
   unset                   the archs of the GPUs nvidia-smi lists.
 With no nvcc, no GPU and no SAGE_CUDA_ARCHS — a CPU machine — only the CPU reference is built, and a
@@ -25,7 +26,8 @@ SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
 # The kernel instantiations and their table: generated into the build directory at build time (one .cu per group,
 # compiled in parallel with the rest) by this script's generate(out_dir).
 SM90_GENERATOR = "csrc/sm90/instantiations.py"
-KERNEL_ARCHS = {"_sm90": {"90a"}}  # extension → archs it has code for
+SM89_SOURCES = ["csrc/sm89/binding.cpp", "csrc/sm89/attention.cu"]
+KERNEL_ARCHS = {"_sm90": {"90a"}, "_sm89": {"89", "90a"}}  # extension → archs it has code for
 
 
 def _nvcc():
@@ -115,6 +117,8 @@ if _nvcc():
     if archs & KERNEL_ARCHS["_sm90"]:
         ext_modules.append(NvccExtension("sage_compile._sm90", SM90_SOURCES, archs & KERNEL_ARCHS["_sm90"],
                                           generator=SM90_GENERATOR))
+    if archs & KERNEL_ARCHS["_sm89"]:
+        ext_modules.append(NvccExtension("sage_compile._sm89", SM89_SOURCES, archs & KERNEL_ARCHS["_sm89"]))
 
 setup(
     packages=["sage_compile", "sage_compile.kernels", "sage_compile.kernels.backward", "sage_compile.integrations",

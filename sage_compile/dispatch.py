@@ -33,6 +33,8 @@ def why_missing(module_name: str) -> str:
         return "Triton is not installed (a CPU build of torch ships without it)"
     if "_sm90" in err:
         return "not built: the Hopper kernel is compiled at install time where nvcc and an sm90 GPU are present"
+    if "_sm89" in err:
+        return "not built: the INT4 kernel is compiled at install time where nvcc and an sm89 or sm90 GPU are present"
     if "_C" in err:
         return "not built: the C++ extension did not compile at install time (reinstall and read its log)"
     return f"not importable ({err})" if err else "not importable"

@@ -491,3 +491,16 @@ def test_faster_than_the_python_reference(capsys):
         print(f"\n[B=1 Hq=8 Hkv=4 N=1024 D=128] python reference {t_ref * 1e3:.0f} ms, "
               f"C++ {t_cpu * 1e3:.0f} ms ({t_ref / t_cpu:.1f}x, {torch.get_num_threads()} threads)")
     _assert_matches_oracle(*ours, *reference)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.sampled_from([2, 32, 64, 128])),
+       seed=st.integers(0, 2**16))
+def test_pack_int4_round_trips_with_the_even_element_in_the_low_nibble(shape, seed):
+    """The sm89 kernel's Q̂/K̂ layout: two's-complement nibbles, element 2c in the low nibble of byte c."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-7, 8, shape, dtype=torch.int8, generator=g)
+    packed = kernels.pack_int4(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (*shape[:-1], shape[-1] // 2)
+    assert torch.equal(kernels.unpack_int4(packed), x)
+    assert torch.equal(packed & 15, (x[..., 0::2] & 15).view(torch.uint8))

@@ -114,11 +114,25 @@ def widen_fp4_channels(args: KernelArgs, padded_head_dim: int) -> KernelArgs:
                    v_scale=vector(args.v_scale), v_mean=vector(args.v_mean))
 
 
+def pack_int4(x: torch.Tensor) -> torch.Tensor:
+    """int4 codes stored in int8 (values in ±7) [..., D], D even → uint8 [..., D/2]: two's-complement nibbles, the
+    even element in the low nibble — the element order of the 4-bit MMA (kernels/sm89.py)."""
+    return ((x[..., 0::2] & 15) | (x[..., 1::2] << 4)).view(torch.uint8)
+
+
+def unpack_int4(x: torch.Tensor) -> torch.Tensor:
+    """``pack_int4``'s inverse: uint8 [..., D/2] → int8 [..., D]."""
+    nibbles = torch.stack(((x & 15), (x >> 4)), dim=-1).flatten(-2).to(torch.int8)
+    return torch.where(nibbles > 7, nibbles - 16, nibbles)
+
+
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
 # breaks import). The native sm90 kernel comes first on Hopper (ahead of the Triton kernel at both head dims);
-# inputs it does not cover fall through to Triton. SAGE_KERNELS=triton,sm90,... changes the order.
+# inputs it does not cover fall through to Triton. sm89 runs qk="int4" on Ada's 4-bit tensor cores.
+# SAGE_KERNELS=triton,sm90,... changes the order.
 KERNEL_MODULES = (
     "sage_compile.kernels.sm90",
+    "sage_compile.kernels.sm89",
     "sage_compile.kernels.triton",
     "sage_compile.kernels.cpu",
     "sage_compile.kernels.reference",
