@@ -7,6 +7,7 @@ reference of the numerics spec); ``report`` renders the results page from the re
 # name on the command line → (module in this package, one line of help)
 BENCHMARKS = {
     "kernel": ("kernel_bench", "kernel-only TOPS of the quantized-attention kernels vs SDPA (cuDNN, flash); GPU"),
+    "int4": ("int4_bench", "the qk='int4' kernels (4-bit mma.sync, and int4 codes through int8 products) vs cuDNN; GPU"),
     "eager": ("eager_bench", "sage_attention called without torch.compile, prep included, vs cuDNN and the public "
                              "library; GPU"),
     "e2e": ("e2e_bench", "compiled rope → attention, backend='inductor' vs 'sage', prep vs its memory floor; GPU"),

@@ -225,6 +225,22 @@ def backward_section(runs) -> list:
     return lines
 
 
+def int4_section(runs) -> list:
+    lines = ["### The INT4 rung's kernels", "",
+             "`python -m sage_compile bench int4`: `Scheme(qk=\"int4\", smooth_q=True)`, kernel only, same harness as "
+             "above. sm89: Q̂ and K̂ packed two codes per byte through the 4-bit `mma.sync` (on Hopper, which has no 4-bit "
+             "tensor cores, ptxas emulates it and the `mma.sync` e4m3 product); sm90 and Triton: the int4 codes stored in "
+             "int8, through int8 products.", ""]
+    for _, data in runs:
+        lines += [f"#### {measured(data)}", "", "| D | causal | N | sm89 (4-bit mma) | sm90 (int8 wgmma) | Triton | SDPA cuDNN |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in data["rows"]:
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {_f(r.get('sm89_tops'))} | {_f(r.get('sm90_tops'))} | "
+                         f"{_f(r.get('triton_tops'))} | {_f(r.get('cudnn_tops'))} |")
+        lines.append("")
+    return lines
+
+
 def eager_section(runs) -> list:
     lines = ["## Without torch.compile: `sage_attention` eager", "",
              "`python -m sage_compile bench eager`: one call, prep included, TOPS = 4·B·H·N²·D / t (halved for causal), "
@@ -445,6 +461,7 @@ def render(directory) -> str:
     if _plot_kernel(kernel, os.path.join(directory, "tops.png")) or os.path.exists(os.path.join(directory, "tops.png")):
         lines += ["![kernel TOPS vs N](tops.png)", ""]
     lines += kernel_section(kernel)
+    lines += int4_section(_load(directory, "int4_bench"))
     lines += e2e_section(e2e, _variants(directory, "e2e_bench"))
     lines += eager_section(_load(directory, "eager_bench"))
     if _plot_models(models, os.path.join(directory, "models.png")) or os.path.exists(os.path.join(directory, "models.png")):
