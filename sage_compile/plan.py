@@ -8,7 +8,10 @@ The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measure
 same kernel plus an add in its epilogue and a mean in the prep), and SDPA itself. fp16 PV is not a rung: its kernel runs slower than cuDNN's SDPA (docs/configuration.md), so where
 8-bit PV misses a target SDPA is both faster and exact. NVFP4 (qk = pv = "fp4") heads the ladder only where its
 kernel runs on FP4 tensor cores (``offered``; first by the tensor cores' FP4 rate, not measured here): elsewhere it is
-an emulation, slower than SDPA, and never measured.
+an emulation, slower than SDPA, and never measured. INT4 QK (SageAttention2's 4-bit rung: Q smoothed, per-token K)
+comes next only where its site runs on 4-bit tensor cores (the sm89 kernel, ``FOUR_BIT_KERNELS``; declared from
+SageAttention2's measurements on Ada, not measured here): elsewhere 4-bit codes go through the 8-bit products, no faster
+than the 8-bit rungs (H100: slower, docs/results ``bench int4``) and less accurate.
 
 Per step: ``calibrate(..., steps="index")`` (batch i of the inputs is step i — a diffusion trajectory fed as its
 denoising steps) or ``steps=fn`` (``fn(args, kwargs)`` names a batch's step, e.g. its timestep) also keeps, per site
@@ -35,11 +38,13 @@ import torch.nn.functional as F
 # rung → the Scheme fields it sets on the config's scheme (None: SDPA), fastest first
 RUNGS: Dict[str, Optional[Dict[str, Any]]] = {
     "nvfp4": {"qk": "fp4", "pv": "fp4"},
+    "int4": {"qk": "int4", "smooth_q": True, "k_granularity": "per_token"},
     "per_thread": {"k_granularity": "per_thread"},
     "per_token": {"k_granularity": "per_token"},
     "per_token_smooth_v": {"k_granularity": "per_token", "smooth_v": True},
     "sdpa": None,
 }
+FOUR_BIT_KERNELS = ("sm89",)  # kernel families that multiply int4 codes on 4-bit tensor cores
 PLAN_VERSION = 2  # 2: per-step rungs (``steps``, ``measured_steps``); version 1 files load as plans without them
 
 
@@ -229,16 +234,19 @@ def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, i
 def offered(fields: Optional[Dict[str, Any]], query: torch.Tensor, config) -> bool:
     """Whether calibrate measures the rung with these Scheme ``fields`` (None: SDPA) for a call on ``query``: every
     rung but NVFP4 where its kernel would not run on FP4 tensor cores (``kernels.native_fp4``, and the kernel family
-    not emulating: ``dispatch.emulation``) — an emulation is slower than SDPA, so never the rung to pick."""
+    not emulating: ``dispatch.emulation``) — an emulation is slower than SDPA, so never the rung to pick — and but INT4
+    where the site's kernel is not one of ``FOUR_BIT_KERNELS``."""
     if fields is None:
         return True
     scheme = config.replace(**fields).scheme
-    if not scheme.fp4:
+    if not scheme.fp4 and scheme.qk != "int4":
         return True
     from . import dispatch, spec
     from .kernels import KernelSite, native_fp4
 
     site = KernelSite(scheme, query.device, query.dtype, spec.padded_head_dim(query.shape[-1]))
+    if scheme.qk == "int4":
+        return dispatch.kernel_for_site(site)[0] in FOUR_BIT_KERNELS
     return native_fp4(query.device) and dispatch.emulation(site) is None
 
 

@@ -26,7 +26,8 @@ def test_calibrate_measures_every_site_at_every_rung_under_explains_names():
     names = [site.name for site in sage_compile.explain(model, x).sites]
     assert list(plan.sites) == names == ["blocks.0.attn#0", "blocks.1.attn#0"]
     for name in names:
-        assert list(plan.measured[name]) == [rung for rung in RUNGS if rung != "nvfp4"]  # no FP4 tensor cores here
+        # no FP4 or 4-bit integer tensor cores here
+        assert list(plan.measured[name]) == [rung for rung in RUNGS if rung not in ("nvfp4", "int4")]
         for rung, stats in plan.measured[name].items():
             assert stats is not None and -1 <= stats["cos"] <= 1 and stats["rel_l1"] >= 0, (rung, stats)
         assert plan.measured[name]["sdpa"] == dict(cos=1.0, rel_l1=0.0)
@@ -67,6 +68,24 @@ def test_nvfp4_is_a_rung_only_where_it_runs_on_fp4_tensor_cores(monkeypatch):
         assert 0.9 < by_rung["nvfp4"]["cos"] < by_rung["per_thread"]["cos"]
     monkeypatch.setattr(sage_compile.dispatch, "emulation", lambda site: "emulated")
     assert not plan_module.offered(RUNGS["nvfp4"], query, SageConfig())  # a device with FP4 whose kernel emulates
+
+
+def test_int4_is_a_rung_only_where_its_site_runs_on_4_bit_tensor_cores(monkeypatch):
+    """INT4 QK through 8-bit products (the CPU, Hopper) is slower than the 8-bit rungs and less accurate: never
+    measured. Where the site's kernel is the 4-bit one (faked here: the dispatcher names sm89, the CPU kernel
+    computes), it comes after NVFP4 and ahead of the 8-bit rungs; a bar it meets makes it the site's rung."""
+    from sage_compile import dispatch, plan as plan_module
+
+    model, x = _model_and_input()
+    query = x.new_empty(2, 4, 300, 16)
+    assert not plan_module.offered(RUNGS["int4"], query, SageConfig())
+    monkeypatch.setattr(dispatch, "kernel_for_site", lambda site: ("sm89", {}))
+    assert plan_module.offered(RUNGS["int4"], query, SageConfig())
+    assert list(RUNGS)[:3] == ["nvfp4", "int4", "per_thread"]
+    plan = calibrate(model, (x,), target=Target(cos=0.9, rel_l1=0.5), progress=False)
+    assert set(plan.sites.values()) == {"int4"}
+    for by_rung in plan.measured.values():
+        assert 0.9 < by_rung["int4"]["cos"] < by_rung["per_token"]["cos"]
 
 
 def test_a_loader_of_batches_keeps_each_sites_worst_call():
