@@ -15,7 +15,8 @@ producer also the prep alone (generic and fused), the rotary alone, and the prep
 ``--producer``: what computes q and k in front of attention — ``half`` (half-split rotary, Llama/Flux; default),
 ``interleaved`` (diffusers' channel-pair rotary, fp32 tables), ``qknorm_half`` (RMSNorm + rotate_half, Qwen3),
 ``qknorm_interleaved`` (RMSNorm + interleaved rotary, Flux/SD3), ``none`` (q and k are the inputs: a standalone
-site, whose prep is a pass of its own). ``--mask``: an attn_mask as a model passes it —
+site, whose prep is a pass of its own). ``--gqa G``: H/G k/v heads (``enable_gqa=True``). ``--default-only``: the
+inductor and default columns alone — the sweep of what the shipped config chooses, faster. ``--mask``: an attn_mask as a model passes it —
 ``key_padding`` (bool [B,1,1,N], the last eighth of the keys padded) or ``additive`` (fp32 [B,1,N,N], 5% -inf);
 non-causal only. ``--pv fp16``: every sage column runs SageConfig(pv="fp16") (the prep columns stay fp8).
 Every sage column but ``default`` uses min_seq_len=0: the measured thresholds would otherwise keep short sites on SDPA.
@@ -83,6 +84,7 @@ def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "
     """producer(x_q), producer(x_k) → SDPA on [B, N, H, D] inputs. ``extra``: the RMSNorm weights (qknorm_*), then
     the attn_mask (masked)."""
     mask = extra[-1] if masked else None
+    gqa = xk.shape[2] != xq.shape[2]  # fewer k/v heads: grouped-query attention
     if producer.startswith("qknorm"):
         xq, xk = rms_norm(xq, extra[0]), rms_norm(xk, extra[1])
     if producer.endswith("interleaved"):  # full-width tables made in the graph, as Flux's position embedding does
@@ -90,7 +92,7 @@ def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "
     fn = {"half": rope, "interleaved": interleaved_rope, "qknorm_half": rotate_half_rope,
           "qknorm_interleaved": interleaved_rope, "none": lambda x, cos, sin: x}[producer]
     q, k = fn(xq, cos, sin).transpose(1, 2), fn(xk, cos, sin).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, is_causal=causal)
+    out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
@@ -142,11 +144,13 @@ def model_mask(kind, batch, n, generator):
     return bias.masked_fill(torch.rand(bias.shape, device="cuda", generator=generator) < 0.05, -math.inf)
 
 
-def make_inputs(batch, n, heads, d, seed, dist="normal", producer="half", mask="none"):
-    """x_q, x_k, v [B, N, H, D] bf16 of one of the distributions (sage_compile.bench.distributions), rope tables [N,1,·]
-    as the producer takes them, then the RMSNorm weights (qknorm_*) and the mask (--mask)."""
+def make_inputs(batch, n, heads, d, seed, dist="normal", producer="half", mask="none", gqa=1):
+    """x_q [B, N, H, D], x_k, v [B, N, H/gqa, D] bf16 of one of the distributions (sage_compile.bench.distributions),
+    rope tables [N,1,·] as the producer takes them, then the RMSNorm weights (qknorm_*) and the mask (--mask)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     xq, xk, v = (t.to(torch.bfloat16) for t in sample_qkv(dist, (batch, n, heads, d), g, "cuda"))
+    if gqa > 1:  # k and v of their own draw, with fewer heads
+        _, xk, v = (t.to(torch.bfloat16) for t in sample_qkv(dist, (batch, n, heads // gqa, d), g, "cuda"))
     cos, sin = rope_tables(n, d, "cuda")
     if producer == "qknorm_half":
         cos, sin = (torch.cat([t, t], -1) for t in (cos, sin))
@@ -191,7 +195,7 @@ def _accuracy(compiled_sage, d, opts, k_granularity="per_token"):
     rows = []
     for dist in DISTRIBUTIONS:
         for causal in (False, True):
-            inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist, producer=opts.producer)
+            inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist, producer=opts.producer, gqa=opts.gqa)
             out = compiled_sage[causal](*inputs)
             ref = attention_block(*(t.float() for t in inputs), causal=causal, producer=opts.producer)
             rows.append(dict(dist=dist, causal=causal, d=d, k_granularity=k_granularity, **accuracy_metrics(out, ref)))
@@ -209,7 +213,8 @@ def _kernel_name(dispatch, spec, d, pv):
 def record_name(opts) -> str:
     """e2e_bench, or e2e_bench_<variant> for a run that is not the default one (so it keeps a file of its own)."""
     parts = ["e2e_bench"] + (["static"] if opts.static else []) + ([f"pv_{opts.pv}"] if opts.pv != "fp8" else []) \
-        + ([opts.producer] if opts.producer != "half" else []) + ([f"mask_{opts.mask}"] if opts.mask != "none" else [])
+        + ([opts.producer] if opts.producer != "half" else []) + ([f"mask_{opts.mask}"] if opts.mask != "none" else []) \
+        + ([f"gqa{opts.gqa}"] if opts.gqa > 1 else []) + (["default_only"] if opts.default_only else [])
     return "_".join(parts)
 
 
@@ -229,6 +234,9 @@ def _parse(argv):
     ap.add_argument("--static", action="store_true", help="compile sage and the prep per shape too")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--pv", default="fp8", choices=["fp8", "fp16"], help="SageConfig.pv of every sage column")
+    ap.add_argument("--gqa", type=int, default=1, help="query heads per k/v head (H/gqa k/v heads, enable_gqa=True)")
+    ap.add_argument("--default-only", action="store_true",
+                    help="time inductor and default only: the sweep of what the shipped config chooses")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the columns of a row this many times, interleaved, and keep each column's median")
     recording.add_arguments(ap)
@@ -236,6 +244,8 @@ def _parse(argv):
     opts.causal = opts.causal or ("0" if opts.mask != "none" else "0,1")
     if opts.mask != "none" and "1" in opts.causal.split(","):
         ap.error("--mask runs non-causal only (SDPA takes an attn_mask or is_causal, not both)")
+    if opts.gqa < 1 or any(SHAPES[int(d)] % opts.gqa for d in opts.d.split(",")):
+        ap.error(f"--gqa {opts.gqa}: must divide the heads ({SHAPES})")
     return opts
 
 
@@ -243,13 +253,16 @@ def _main(argv=None):
     opts = _parse(argv)
     ns = [int(x) for x in opts.n.split(",")]
     causals = [bool(int(c)) for c in opts.causal.split(",")]
-    default_producer = opts.producer == "half" and opts.mask == "none"  # the prep columns time this producer
+    # the prep columns time the default producer, without GQA
+    default_producer = opts.producer == "half" and opts.mask == "none" and opts.gqa == 1 and not opts.default_only
+    sage_columns = () if opts.default_only else ("sage", "sage_generic", "sage_pt")
 
     import sage_compile
     from sage_compile import SageConfig, dispatch, spec
 
     bandwidth = copy_bandwidth()
     results = dict(**recording.environment(), static=opts.static, producer=opts.producer, mask=opts.mask, pv=opts.pv,
+                   gqa=opts.gqa, default_only=opts.default_only,
                    rounds=opts.rounds, copy_bandwidth_gbs=bandwidth / 1e9, rows=[], accuracy=[], prep_kernels={},
                    sage_kernel={}, env={"SAGE_KERNELS": os.environ.get("SAGE_KERNELS")})
     sage_cfg = SageConfig(min_seq_len=0, pv=opts.pv, k_granularity="per_token")
@@ -278,24 +291,26 @@ def _main(argv=None):
                          ("rope", torch.compile(rope_only, dynamic=dynamic))]
             for n in ns:
                 batch = max(1, TOKENS // n)  # B·N = 16K tokens; one sequence from 16K up
-                sets = [make_inputs(batch, n, heads, d, seed, producer=opts.producer, mask=opts.mask)
+                sets = [make_inputs(batch, n, heads, d, seed, producer=opts.producer, mask=opts.mask, gqa=opts.gqa)
                         for seed in range(N_SETS)]
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
-                columns = (("inductor", inductor_by_n[n]), ("sage", sage), ("sage_generic", sage_generic),
-                           ("sage_pt", sage_pt), ("default", sage_default), *preps)
+                by_name = dict(sage=sage, sage_generic=sage_generic, sage_pt=sage_pt)
+                columns = (("inductor", inductor_by_n[n]), *((c, by_name[c]) for c in sage_columns),
+                           ("default", sage_default), *preps)
                 timed = {name: _rotating([lambda s=s, f=fn: f(*s) for s in sets]) for name, fn in columns}
                 torch._dynamo.utils.counters.clear()
                 row.update(interleaved_ms(timed, opts.rounds))
                 row["sage_counters"] = dict(torch._dynamo.utils.counters["sage"])  # what the passes did
-                for name in ("inductor", "sage", "sage_generic", "sage_pt", "default"):
+                for name in ("inductor", *sage_columns, "default"):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9
                 report = sage_compile.explain(block("default"), *sets[0], config=default_cfg)
                 row["chose"] = "sage" if report.replaced else "sdpa"
                 row["speedup_default"] = row["inductor_ms"] / row["default_ms"]
-                row["speedup"] = row["inductor_ms"] / row["sage_ms"]
-                row["speedup_per_thread_k"] = row["inductor_ms"] / row["sage_pt_ms"]
-                row["speedup_generic_prep"] = row["inductor_ms"] / row["sage_generic_ms"]
+                for name, key in (("sage", "speedup"), ("sage_pt", "speedup_per_thread_k"),
+                                  ("sage_generic", "speedup_generic_prep")):
+                    if name in sage_columns:
+                        row[key] = row["inductor_ms"] / row[f"{name}_ms"]
                 if preps:
                     for name, fn in preps:  # GPU time alone
                         with torch.no_grad():
@@ -309,13 +324,20 @@ def _main(argv=None):
             if preps:
                 results["prep_kernels"][f"d{d}_causal{int(causal)}"] = count_kernels(preps[0][1], sets[0])
                 results["prep_kernels"][f"d{d}_causal{int(causal)}_fused"] = count_kernels(preps[1][1], sets[0])
-        if not opts.no_accuracy and opts.mask == "none" and {False, True} <= set(causals):
+        if not opts.no_accuracy and not opts.default_only and opts.mask == "none" and {False, True} <= set(causals):
             results["accuracy"] += _accuracy(compiled, d, opts) + _accuracy(compiled_pt, d, opts, "per_thread")
 
     paths = recording.save(record_name(opts), results, opts)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, producer {opts.producer}, "
           f"mask {opts.mask}, pv {opts.pv}; sage kernel {results['sage_kernel']}; copy {results['copy_bandwidth_gbs']:.0f} "
           f"GB/s → {', '.join(paths) or '(not saved: --record)'}")
+    if opts.default_only:
+        print(f"TOPS end to end, the shipped config (default) vs inductor, gqa {opts.gqa}; chose = what default ran")
+        print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'default':>8} {'x default':>9} {'chose':>5}")
+        for r in results["rows"]:
+            print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['default_tops']:>8.0f} "
+                  f"{r['speedup_default']:>9.2f} {r['chose']:>5}")
+        return 0
     print("TOPS end to end (sage = fused prep, generic = Inductor's fusion of the prep, pt = fused prep with "
           "k_granularity='per_thread'), speed-ups over inductor"
           + ("; prep GPU ms (CUDA graph): generic, fused, rope alone, memory floor, fused/floor" if default_producer else ""))
