@@ -36,6 +36,8 @@ CONFIGS = (  # label → scheme fields (the rest the defaults: K per_thread)
     ("pv=fp8, K per-token", dict(k_granularity="per_token")),
     ("pv=fp8, K per_block64", dict(k_granularity="per_block", k_block=64)),
     ("qk=pv=fp4 (NVFP4)", dict(qk="fp4", pv="fp4")),
+    ("qk=int4, K per-token", dict(qk="int4", smooth_q=True, k_granularity="per_token")),
+    ("qk=int4", dict(qk="int4", smooth_q=True)),
 )
 
 

@@ -7,8 +7,8 @@ QK̂ᵀ runs on the 4-bit integer MMA (m16n8k64 .s4) with Q̂ and K̂ packed two
 Where it is dispatched: on sm89, for qk="int4" sites, ahead of the Triton kernel (which runs int4 values through
 int8 products) — declared from SageAttention2's measurements on Ada, not measured here (no such GPU). Hopper (sm90)
 has no 4-bit tensor cores: ptxas turns the 4-bit and the mma.sync e4m3 products into int8 / fp16 ones (exact, slower),
-and the sm90 kernel runs int4 sites through its int8 wgmma products, measured faster (docs/results, ``bench kernel
---int4``); there ``supports`` refuses and ``runs`` — what the tests and that benchmark use — accepts.
+and the sm90 kernel runs int4 sites through its int8 wgmma products, measured faster (docs/results, ``bench int4``);
+there ``supports`` refuses and ``runs`` — what the tests and that benchmark use — accepts.
 Importing fails when the extension is not built.
 """
 from __future__ import annotations
