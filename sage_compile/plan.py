@@ -233,9 +233,10 @@ def _measure_site(name: str, query, key, value, attn_mask=None, dropout_p=0.0, i
 
 def offered(fields: Optional[Dict[str, Any]], query: torch.Tensor, config) -> bool:
     """Whether calibrate measures the rung with these Scheme ``fields`` (None: SDPA) for a call on ``query``: every
-    rung but NVFP4 where its kernel would not run on FP4 tensor cores (``kernels.native_fp4``, and the kernel family
-    not emulating: ``dispatch.emulation``) — an emulation is slower than SDPA, so never the rung to pick — and but INT4
-    where the site's kernel is not one of ``FOUR_BIT_KERNELS``."""
+    rung, except NVFP4 where its kernel would not run on FP4 tensor cores (``kernels.native_fp4``, and the kernel family
+    not emulating: ``dispatch.emulation``) — an emulation is slower than SDPA, so never the rung to pick — and INT4
+    where the site's kernel is not one of ``FOUR_BIT_KERNELS`` (4-bit codes through 8-bit products: no faster, less
+    accurate)."""
     if fields is None:
         return True
     scheme = config.replace(**fields).scheme
