@@ -126,18 +126,19 @@ def test_output_rounding_matches_spec_saturate(dtype):
 # --------------------------------------------------------------------------------------------------
 # Whole attention against the oracle.
 # --------------------------------------------------------------------------------------------------
-def _oracle(args: KernelArgs):
-    return spec.quantized_attention_reference(**vars(args))
+def _oracle(args: KernelArgs, block_n: int = spec.REFERENCE_BLOCK_N):
+    return spec.quantized_attention_reference(**vars(args), block_n=block_n)
 
 
-def _run_cpu(args: KernelArgs, out=None, lse=None):
+def _run_cpu(args: KernelArgs, out=None, lse=None, block_n: int = spec.REFERENCE_BLOCK_N):
     """The C++ kernel into fresh NaN-filled outputs (so unwritten elements show), or into those given."""
     batch, hq, n_q, _ = args.q.shape
     if out is None:
         out = torch.full((batch, hq, n_q, args.head_dim), math.nan, dtype=args.out_dtype)
     if lse is None:
         lse = torch.full((batch, hq, n_q), math.nan)
-    kernels.run(cpu, args, out, lse)
+    check_inputs(args, out, lse)
+    cpu.launch(args, out, lse, block_n=block_n)
     return out, lse
 
 
@@ -263,6 +264,23 @@ def test_matches_oracle_bit_for_bit(problem):
     mask = _random_mask(batch=p["batch"], hq=p["hq"], n_q=p["n_q"], n_k=p["n_k"], seed=p["seed"], **p["mask"])
     args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens, mask)
     _assert_matches_oracle(*_run_cpu(args), *_oracle(args))
+
+
+@given(_problems(), st.sampled_from([16, 128, 192]))  # NVFP4 blocks: multiples of 16
+@settings(max_examples=40)
+def test_matches_oracle_at_other_key_blocks(problem, block_n):
+    """The two-level accumulation per block of ``block_n`` keys (the GPU kernels' blocks: 64 above, 128 for sm90):
+    the oracle of the GPU tests (tests/gpu_cases.py) runs this kernel at the GPU kernel's block."""
+    p = problem
+    q, k, v = random_qkv(p["batch"], p["hq"], p["hkv"], p["n_q"], p["n_k"], p["d"], p["in_dtype"],
+                         seed=p["seed"], k_bias=2.0)
+    kv_lens = None
+    if p["kv_lens"]:
+        g = torch.Generator().manual_seed(p["seed"])
+        kv_lens = torch.randint(0, p["n_k"] + 1, (p["batch"],), generator=g, dtype=torch.int32)
+    mask = _random_mask(batch=p["batch"], hq=p["hq"], n_q=p["n_q"], n_k=p["n_k"], seed=p["seed"], **p["mask"])
+    args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens, mask)
+    _assert_matches_oracle(*_run_cpu(args, block_n=block_n), *_oracle(args, block_n))
 
 
 # The mask kinds of the contract, each run once whatever the property test above happens to draw.

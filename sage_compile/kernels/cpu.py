@@ -33,8 +33,9 @@ def accepts(args: KernelArgs) -> Optional[str]:
     return None  # any strides: the kernel indexes every tensor through its strides
 
 
-def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Writes ``out`` and ``lse`` in place, through their strides (any layout)."""
+def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, block_n: int = spec.REFERENCE_BLOCK_N) -> None:
+    """Writes ``out`` and ``lse`` in place, through their strides (any layout). ``block_n``: the key block of the
+    two-level accumulation — the spec's function for that block (the GPU tests' oracle runs a GPU kernel's block)."""
     batch, hq, n_q, _ = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     _C.quantized_attention(
@@ -43,7 +44,7 @@ def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
         v_mean=_tensor_arg(args.v_mean), delta_s=_tensor_arg(args.delta_s), kv_lens=_tensor_arg(args.kv_lens),
         attn_mask=_mask_arg(args.attn_mask), out=_tensor_arg(out), lse=_tensor_arg(lse),
         sizes=(batch, hq, hkv, n_q, n_k, args.padded_head_dim),
-        head_dim=args.head_dim, q_group=args.scheme.q_block, causal=args.causal, block_n=spec.REFERENCE_BLOCK_N,
+        head_dim=args.head_dim, q_group=args.scheme.q_block, causal=args.causal, block_n=block_n,
         num_threads=torch.get_num_threads(),  # honour torch.set_num_threads, like torch's own CPU ops
         q_block_scale=_tensor_arg(args.q_block_scale), k_block_scale=_tensor_arg(args.k_block_scale),
         v_block_scale=_tensor_arg(args.v_block_scale),
