@@ -101,6 +101,16 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, pv="fp8", smooth_q=False, s
     return KernelArgs.from_prepared(p, kv_lens, causal, d, out_dtype, random_mask(mask, batch, hq, n_q, n_k, seed))
 
 
+def draw_kv_lens(draw, batch, n_k):
+    """A hypothesis draw: None half the time, else kv_lens [B] in [0, n_k], int32 or int64, on the GPU."""
+    from hypothesis import strategies as st
+
+    if not draw(st.booleans()):
+        return None
+    lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
+    return torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+
+
 def poisoned_outputs(args):
     """Outputs laid out like ops._empty_outputs (out [B,Hq,Nq,D] over [B,Nq,Hq,D] memory), filled NaN."""
     batch, hq, n_q, _ = args.q.shape

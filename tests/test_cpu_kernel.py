@@ -251,27 +251,8 @@ def _problems(draw):
     )
 
 
-@given(_problems())
-@settings(max_examples=150)
-def test_matches_oracle_bit_for_bit(problem):
-    p = problem
-    q, k, v = random_qkv(p["batch"], p["hq"], p["hkv"], p["n_q"], p["n_k"], p["d"], p["in_dtype"],
-                         seed=p["seed"], k_bias=2.0)
-    kv_lens = None
-    if p["kv_lens"]:
-        g = torch.Generator().manual_seed(p["seed"])
-        kv_lens = torch.randint(0, p["n_k"] + 1, (p["batch"],), generator=g, dtype=torch.int32)
-    mask = _random_mask(batch=p["batch"], hq=p["hq"], n_q=p["n_q"], n_k=p["n_k"], seed=p["seed"], **p["mask"])
-    args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens, mask)
-    _assert_matches_oracle(*_run_cpu(args), *_oracle(args))
-
-
-@given(_problems(), st.sampled_from([16, 128, 192]))  # NVFP4 blocks: multiples of 16
-@settings(max_examples=40)
-def test_matches_oracle_at_other_key_blocks(problem, block_n):
-    """The two-level accumulation per block of ``block_n`` keys (the GPU kernels' blocks: 64 above, 128 for sm90):
-    the oracle of the GPU tests (tests/gpu_cases.py) runs this kernel at the GPU kernel's block."""
-    p = problem
+def _assert_problem_matches_oracle(p, block_n=spec.REFERENCE_BLOCK_N):
+    """One drawn problem (_problems) through the C++ kernel and the oracle, both with key blocks of ``block_n``."""
     q, k, v = random_qkv(p["batch"], p["hq"], p["hkv"], p["n_q"], p["n_k"], p["d"], p["in_dtype"],
                          seed=p["seed"], k_bias=2.0)
     kv_lens = None
@@ -281,6 +262,20 @@ def test_matches_oracle_at_other_key_blocks(problem, block_n):
     mask = _random_mask(batch=p["batch"], hq=p["hq"], n_q=p["n_q"], n_k=p["n_k"], seed=p["seed"], **p["mask"])
     args = _prepared_args(q, k, v, p["quant"], p["causal"], p["out_dtype"], kv_lens, mask)
     _assert_matches_oracle(*_run_cpu(args, block_n=block_n), *_oracle(args, block_n))
+
+
+@given(_problems())
+@settings(max_examples=150)
+def test_matches_oracle_bit_for_bit(problem):
+    _assert_problem_matches_oracle(problem)
+
+
+@given(_problems(), st.sampled_from([16, 128, 192]))  # NVFP4 blocks: multiples of 16
+@settings(max_examples=40)
+def test_matches_oracle_at_other_key_blocks(problem, block_n):
+    """The two-level accumulation per block of ``block_n`` keys (the GPU kernels' blocks: 64 above, 128 for sm90):
+    the oracle of the GPU tests (tests/gpu_cases.py) runs this kernel at the GPU kernel's block."""
+    _assert_problem_matches_oracle(problem, block_n)
 
 
 # The mask kinds of the contract, each run once whatever the property test above happens to draw.
@@ -520,5 +515,6 @@ def test_pack_int4_round_trips_with_the_even_element_in_the_low_nibble(shape, se
     x = torch.randint(-7, 8, shape, dtype=torch.int8, generator=g)
     packed = kernels.pack_int4(x)
     assert packed.dtype == torch.uint8 and packed.shape == (*shape[:-1], shape[-1] // 2)
-    assert torch.equal(kernels.unpack_int4(packed), x)
+    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).to(torch.int8)
+    assert torch.equal(torch.where(nibbles > 7, nibbles - 16, nibbles), x)  # two's-complement nibbles
     assert torch.equal(packed & 15, (x[..., 0::2] & 15).view(torch.uint8))

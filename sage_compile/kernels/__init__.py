@@ -120,12 +120,6 @@ def pack_int4(x: torch.Tensor) -> torch.Tensor:
     return ((x[..., 0::2] & 15) | (x[..., 1::2] << 4)).view(torch.uint8)
 
 
-def unpack_int4(x: torch.Tensor) -> torch.Tensor:
-    """``pack_int4``'s inverse: uint8 [..., D/2] → int8 [..., D]."""
-    nibbles = torch.stack(((x & 15), (x >> 4)), dim=-1).flatten(-2).to(torch.int8)
-    return torch.where(nibbles > 7, nibbles - 16, nibbles)
-
-
 # Order = preference, by measured speed. Modules are imported lazily by the dispatcher (a missing arch never
 # breaks import). The native sm90 kernel comes first on Hopper (ahead of the Triton kernel at both head dims);
 # inputs it does not cover fall through to Triton. sm89 runs qk="int4" on Ada's 4-bit tensor cores.

@@ -22,7 +22,7 @@ except ImportError:
     pytest.skip("sage_compile._sm89 not built", allow_module_level=True)
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from gpu_cases import DEV, assert_close_to_oracle, make_case, oracle, poisoned_outputs  # noqa: E402
+from gpu_cases import DEV, assert_close_to_oracle, draw_kv_lens, make_case, oracle, poisoned_outputs  # noqa: E402
 from sage_compile import dispatch, spec  # noqa: E402
 from sage_compile.bench.distributions import accuracy_metrics, sample_qkv  # noqa: E402
 from sage_compile.kernels import KernelArgs, KernelSite  # noqa: E402
@@ -54,10 +54,7 @@ def cases(draw, causal):
     hkv = draw(st.integers(1, 2))
     batch = draw(st.integers(1, 2))
     n_k = draw(st.sampled_from([1, 5, 16, 63, 64, 65, 127, 128, 200, 257, 700, 1030]))
-    kv_lens = None
-    if draw(st.booleans()):
-        lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
-        kv_lens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+    kv_lens = draw_kv_lens(draw, batch, n_k)
     return dict(
         batch=batch, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
         n_q=draw(st.sampled_from([1, 2, 17, 64, 65, 100, 128, 129, 300, 513])), n_k=n_k,

@@ -24,8 +24,8 @@ try:
 except ImportError:
     pytest.skip("sage_compile._sm90 not built", allow_module_level=True)
 from gpu_cases import (  # noqa: E402
-    DEV, STRICT_BOUNDS, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, closed_rows_mask, make_case,
-    poisoned_outputs, random_mask,
+    DEV, STRICT_BOUNDS, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, closed_rows_mask, draw_kv_lens,
+    make_case, poisoned_outputs, random_mask,
 )
 from helpers import cosine, rel_l1  # noqa: E402
 from sage_compile import dispatch, kernels, spec  # noqa: E402
@@ -63,10 +63,7 @@ def cases(draw, causal):
     hkv = draw(st.integers(1, 2))
     batch = draw(st.integers(1, 2))
     n_k = draw(st.sampled_from([1, 5, 16, 63, 127, 128, 129, 200, 256, 257, 384, 700, 1030]))
-    kv_lens = None
-    if draw(st.booleans()):
-        lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
-        kv_lens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+    kv_lens = draw_kv_lens(draw, batch, n_k)
     return dict(
         batch=batch, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
         n_q=draw(st.sampled_from([1, 2, 17, 64, 65, 100, 128, 129, 200, 300, 513])), n_k=n_k,

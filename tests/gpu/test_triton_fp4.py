@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import (  # noqa: E402
-    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, make_case, poisoned_outputs,
+    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, draw_kv_lens, make_case, poisoned_outputs,
 )
 from helpers import cosine, rel_l1  # noqa: E402
 import sage_compile  # noqa: E402
@@ -70,10 +70,7 @@ def cases(draw, causal):
     hkv = draw(st.integers(1, 2))
     batch = draw(st.integers(1, 2))
     n_k = draw(st.sampled_from([1, 5, 16, 63, 64, 65, 127, 128, 129, 200, 257, 384]))
-    kv_lens = None
-    if draw(st.booleans()):
-        lens = draw(st.lists(st.integers(0, n_k), min_size=batch, max_size=batch))
-        kv_lens = torch.tensor(lens, dtype=draw(st.sampled_from([torch.int32, torch.int64])), device=DEV)
+    kv_lens = draw_kv_lens(draw, batch, n_k)
     smooth_q = draw(st.booleans())
     return dict(
         batch=batch, hkv=hkv, hq=hkv * draw(st.sampled_from([1, 2, 4])),
