@@ -26,6 +26,7 @@ SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
 # The kernel instantiations and their table: generated into the build directory at build time (one .cu per group,
 # compiled in parallel with the rest) by this script's generate(out_dir).
 SM90_GENERATOR = "csrc/sm90/instantiations.py"
+COMMON = "csrc/common"  # headers every CUDA extension may include (binding_args.h)
 SM89_SOURCES = ["csrc/sm89/binding.cpp", "csrc/sm89/attention.cu"]
 KERNEL_ARCHS = {"_sm90": {"90a"}, "_sm89": {"89", "90a"}}  # extension → archs it has code for
 
@@ -86,7 +87,7 @@ class BuildExt(build_ext):
         objects_dir = os.path.join(self.build_temp, ext.name)
         os.makedirs(objects_dir, exist_ok=True)
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ext.archs]
-        include_dirs = sorted({os.path.abspath(os.path.dirname(src)) for src in ext.sources})
+        include_dirs = sorted({os.path.abspath(os.path.dirname(src)) for src in ext.sources} | {os.path.abspath(COMMON)})
         flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-I", pybind11_include(),
                  "-I", sysconfig.get_paths()["include"], *(f"-I{d}" for d in include_dirs), *gencode]
         # One nvcc per source, in parallel (MAX_JOBS, default every core): the kernel files take the time.

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "binding_args.h"
 #include "params.h"
 
 namespace py = pybind11;
@@ -15,19 +16,8 @@ using sage_sm89::Params;
 
 namespace {
 
-template <typename T>
-T* pointer(const py::object& value) {
-  if (value.is_none()) return nullptr;
-  return reinterpret_cast<T*>(value.cast<uintptr_t>());
-}
-
-// st[name]: that tensor's strides (zeros when absent).
-std::vector<int64_t> strides(const py::dict& st, const char* name, size_t count) {
-  if (!st.contains(name) || py::object(st[name]).is_none()) return std::vector<int64_t>(count, 0);
-  auto s = py::object(st[name]).cast<std::vector<int64_t>>();
-  if (s.size() < count) throw std::invalid_argument(std::string("sm89: stride tuple too short: ") + name);
-  return s;
-}
+using sage_binding::pointer;
+using sage_binding::strides;
 
 void attention(const py::dict& ptr, const py::dict& st, const py::dict& size, int head_dim_padded, int out_dtype,
                int64_t stream) {

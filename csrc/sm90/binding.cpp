@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 
+#include "binding_args.h"
 #include "params.h"
 
 namespace py = pybind11;
@@ -15,18 +16,7 @@ using sage_sm90::Params;
 
 namespace {
 
-template <typename T>
-T* pointer(py::object value) {
-  if (value.is_none()) return nullptr;
-  return reinterpret_cast<T*>(value.cast<uintptr_t>());
-}
-
-std::vector<int64_t> strides(py::object value, size_t count) {
-  if (value.is_none()) return std::vector<int64_t>(count, 0);
-  auto s = value.cast<std::vector<int64_t>>();
-  if (s.size() < count) throw std::invalid_argument("sm90: stride tuple too short");
-  return s;
-}
+using sage_binding::pointer;
 
 void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, py::int_ v, py::object v_scale,
                py::object v_mean, py::object kv_lens, py::int_ out, py::int_ lse, py::dict st,
@@ -45,9 +35,7 @@ void attention(py::int_ q, py::object q_scale, py::int_ k, py::object k_scale, p
   p.kv_lens = pointer<const void>(kv_lens);
   p.out = pointer<void>(out);
   p.lse = pointer<float>(lse);
-  auto get = [&](const char* name, size_t count) {
-    return strides(st.contains(name) ? py::object(st[name]) : py::object(py::none()), count);
-  };
+  auto get = [&](const char* name, size_t count) { return sage_binding::strides(st, name, count); };
   auto sq = get("q", 3), sqs = get("q_scale", 2), sk = get("k", 3), sks = get("k_scale", 2), sv = get("v", 3);
   auto svs = get("v_scale", 2), svm = get("v_mean", 2), so = get("out", 4), sl = get("lse", 2);
   auto sds = get("delta_s", 4), smk = get("mask", 4);
