@@ -121,18 +121,14 @@ def poisoned_outputs(args):
 
 def oracle(args, block_n):
     """The spec's function on the CPU (CUDA has no int32 matmul) with the kernel's key block, results back on the GPU:
-    the C++ kernel, bit for bit the spec at any block (tests/test_cpu_kernel.py) and much faster; the spec itself where
-    the extension is not built."""
+    the C++ kernel, bit for bit the spec at any block (tests/test_cpu_kernel.py) and faster than it."""
+    from sage_compile.kernels import cpu
+
     cpu_args = KernelArgs(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(args).items()})
-    try:
-        from sage_compile.kernels import cpu
-    except ImportError:
-        out, lse = spec.quantized_attention_reference(**vars(cpu_args), block_n=block_n)
-    else:
-        batch, hq, n_q, _ = cpu_args.q.shape
-        out = torch.empty(batch, hq, n_q, cpu_args.head_dim, dtype=cpu_args.out_dtype)
-        lse = torch.empty(batch, hq, n_q)
-        cpu.launch(cpu_args, out, lse, block_n=block_n)
+    batch, hq, n_q, _ = cpu_args.q.shape
+    out = torch.empty(batch, hq, n_q, cpu_args.head_dim, dtype=cpu_args.out_dtype)
+    lse = torch.empty(batch, hq, n_q)
+    cpu.launch(cpu_args, out, lse, block_n=block_n)
     return out.to(DEV), lse.to(DEV)
 
 
