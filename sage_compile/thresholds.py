@@ -43,14 +43,12 @@ MEASURED_PER_THREAD_K = {
 
 # Sites with no producer fused into their prep — an eager ``sage_attention`` call (the prep as the fused Triton kernels
 # with no rotary, prep.plain_prepare) or a compiled ``sage.attention`` site (the prep as Inductor's generic fusion): the
-# prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager``, B·N = 16K,
-# bf16, sage / cuDNN SDPA: D=128 non-causal eager 4K 0.92, 16K 1.13, 32K 1.14 (a lone compiled call 0.90, 1.09, 1.12);
-# causal 4K 0.85, 16K 1.11 → from 16K (8K not measured). per_thread K: non-causal 4K 1.03, 16K 1.27; causal 4K 0.92,
-# 16K 1.20 (again with per_thread the default: 4K 1.09, 16K 1.24; causal 4K 0.94, 16K 1.23). D=64, per_thread K
-# (eager, one round): non-causal 4K 1.06, 16K 1.18, 32K 1.06; causal 4K 0.93, 16K 1.16, 32K 1.14 → non-causal from 4K,
-# causal from 16K (8K not measured); per-token K: 4K 0.90, 16K 1.00, 32K 1.00 → never. per_thread K, rounds 3,
-# ``bench eager --n 4096,8192``: D=128 non-causal 4K 0.92, 8K 1.25; causal 4K 0.54, 8K 1.14; D=64 non-causal 4K 1.04,
-# 8K 1.16; causal 4K 0.93, 8K 1.07 → D=128 from 8K, D=64 non-causal from 4K, causal from 8K.
+# prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K,
+# bf16; eager_bench_h100.json), sage / cuDNN SDPA at 4K, 16K, 32K keys: per-token K D=128 0.81, 1.16, 1.13 (causal
+# 0.86, 1.11, 1.25), D=64 0.88, 0.98, 0.95 (causal 0.77, 0.95, 0.98) → D=128 from 16K, D=64 never; per_thread K
+# D=128 0.86, 1.26, 1.20 (causal 0.84, 1.20, 1.34), D=64 1.07, 1.20, 1.22 (causal 0.92, 1.17, 1.12) → D=64 non-causal
+# from 4K, the rest from 8K: 8K keys were timed (``bench eager --n 4096,8192 --rounds 3``: every per_thread K entry
+# above 1.0 at 8K) but are not in the recorded grid — re-record ``bench eager`` with 8K to show them.
 MEASURED_STANDALONE = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,

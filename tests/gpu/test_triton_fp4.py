@@ -168,7 +168,7 @@ def test_sage_attention_runs_the_rung_end_to_end():
     k, v = (torch.randn(2, 2, 300, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(2))
     out = sage_attention(q, k, v, is_causal=True, enable_gqa=True, config=SageConfig(**FP4))
     # the spec on the same device, so its prep's reductions round as the aten prep's did: one E2M1 code moved by a
-    # last-bit difference is a whole step (against the CPU's prep: relative L1 2.6e-3 on the H100)
+    # last-bit difference is a whole step (against the CPU's prep the output missed this bound on the H100)
     ref = spec.reference_attention(q, k, v, causal=1, quant=spec.Scheme(**FP4), block_n=tk.FP4_CONFIG.block_n).cpu()
     assert rel_l1(out.cpu(), ref) <= 2e-3 and cosine(out.cpu(), ref) >= 0.99999
     assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
