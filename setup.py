@@ -1,7 +1,7 @@
 """Build: the C++ CPU reference always; the CUDA kernels only where they can run (never required).
 
-CUDA kernels (``sage_compile._sm90``: Hopper wgmma; ``sage_compile._sm89``: INT4 QK on mma.sync, for Ada — also
-built for Hopper, where it runs emulated, for its tests) are built when nvcc is found and an arch they target is
+CUDA kernels (``sage_compile._sm90``: Hopper wgmma; ``sage_compile._sm89``: INT4 QK on mma.sync, for Ampere and
+Ada — also built for Hopper, where it runs emulated, for its tests) are built when nvcc is found and an arch they target is
 named or present:
   SAGE_CUDA_ARCHS="90a"   build for these archs (";"- or ","-separated; "" or "none": build no CUDA);
   unset                   the archs of the GPUs nvidia-smi lists.
@@ -28,7 +28,7 @@ SM90_SOURCES = ["csrc/sm90/binding.cpp", "csrc/sm90/attention.cu"]
 SM90_GENERATOR = "csrc/sm90/instantiations.py"
 COMMON = "csrc/common"  # headers every CUDA extension may include (binding_args.h)
 SM89_SOURCES = ["csrc/sm89/binding.cpp", "csrc/sm89/attention.cu"]
-KERNEL_ARCHS = {"_sm90": {"90a"}, "_sm89": {"89", "90a"}}  # extension → archs it has code for
+KERNEL_ARCHS = {"_sm90": {"90a"}, "_sm89": {"80", "86", "89", "90a"}}  # extension → archs it has code for
 
 
 def _nvcc():

@@ -20,7 +20,7 @@ using sage_binding::pointer;
 using sage_binding::strides;
 
 void attention(const py::dict& ptr, const py::dict& st, const py::dict& size, int head_dim_padded, int out_dtype,
-               int64_t stream) {
+               bool pv16, int64_t stream) {
   Params p{};
   p.q = pointer<const uint8_t>(ptr["q"]);
   p.q_scale = pointer<const float>(ptr["q_scale"]);
@@ -52,17 +52,17 @@ void attention(const py::dict& ptr, const py::dict& st, const py::dict& size, in
   p.nkp = get("nkp"), p.head_dim = get("head_dim"), p.q_group = get("q_group");
   p.causal = get("causal"), p.causal_offset = get("causal_offset");
   p.kv_lens_int64 = size["kv_lens_int64"].cast<bool>();
-  const int err = sage_sm89::launch(p, head_dim_padded, out_dtype, reinterpret_cast<void*>(stream));
+  const int err = sage_sm89::launch(p, head_dim_padded, out_dtype, pv16, reinterpret_cast<void*>(stream));
   if (err != 0) throw std::runtime_error("sm89 kernel launch failed: CUDA error " + std::to_string(err));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_sm89, m) {
-  m.doc() = "INT4 QK / FP8 PV attention on mma.sync (sm89; runs emulated on sm90)";
+  m.doc() = "INT4 QK attention on mma.sync, e4m3 or fp16 PV (sm80/86/89; runs emulated on sm90)";
   m.attr("BLOCK_M") = 64;
   m.attr("BLOCK_N") = 64;
   m.attr("HEAD_DIMS") = std::vector<int>(std::begin(sage_sm89::kHeadDims), std::end(sage_sm89::kHeadDims));
   m.def("attention", &attention, py::arg("ptr"), py::arg("strides"), py::arg("sizes"), py::arg("head_dim_padded"),
-        py::arg("out_dtype"), py::arg("stream"));
+        py::arg("out_dtype"), py::arg("pv16"), py::arg("stream"));
 }

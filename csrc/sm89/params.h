@@ -12,7 +12,7 @@ struct Params {
   const float* q_scale;    // [B, Hq, Nq]: δQ (s·log2 e folded in)
   const uint8_t* k;        // [B, Hkv, Nk, Dp/2]
   const float* k_scale;    // [B, Hkv, Nk]: δK, one per key (any granularity)
-  const uint8_t* v;        // [B, Hkv, Dp, Nkp] e4m3: V̂ᵀ, Nkp = Nk padded to 16 (zeros)
+  const uint8_t* v;        // [B, Hkv, Dp, Nkp] e4m3 (or fp16: pv16): V̂ᵀ, Nkp = Nk padded to 16 (zeros)
   const float* v_scale;    // [B, Hkv, Dp]: δV
   const float* v_mean;     // [B, Hkv, Dp] μV, or null
   const float* delta_s;    // [B, Hq, ceil(Nq / q_group), Nk]: ΔS (smooth_q), or null
@@ -40,7 +40,7 @@ enum OutDtype { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 // Head dims (padded) with an instantiation.
 constexpr int kHeadDims[] = {64, 128};
 
-// Launches on ``stream``; returns the CUDA error of the launch (cudaSuccess = 0).
-int launch(const Params& p, int head_dim_padded, int out_dtype, void* stream);
+// Launches on ``stream``; ``pv16``: V̂ᵀ and P̂ in fp16 (else e4m3). Returns the CUDA error of the launch (0: none).
+int launch(const Params& p, int head_dim_padded, int out_dtype, bool pv16, void* stream);
 
 }  // namespace sage_sm89

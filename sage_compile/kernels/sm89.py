@@ -1,11 +1,12 @@
 """INT4 QK on 4-bit tensor cores (``sage_compile._sm89``, csrc/sm89): SageAttention2's 4-bit rung, mma.sync.
 
-QK̂ᵀ runs on the 4-bit integer MMA (m16n8k64 .s4) with Q̂ and K̂ packed two codes per byte, PV on the e4m3 MMA
-(m16n8k32), both of Ada (sm89). The spec's function with block_n = ``BLOCK_N`` (64): any Q / K granularity (one
-δK per key is read), ΔS (int4 needs smooth_q), smooth_v, causal in both alignments, GQA, kv_lens, LSE.
+QK̂ᵀ runs on the 4-bit integer MMA (m16n8k64 .s4) of Ampere and Ada with Q̂ and K̂ packed two codes per byte; PV
+on Ada's e4m3 MMA (m16n8k32), or with pv="fp16" on the fp16 MMA (m16n8k16, also sm80/86). The spec's function with
+block_n = ``BLOCK_N`` (64): any Q / K granularity (one δK per key is read), ΔS (int4 needs smooth_q), smooth_v,
+causal in both alignments, GQA, kv_lens, LSE.
 
-Where it is dispatched: on sm89, for qk="int4" sites, ahead of the Triton kernel (which runs int4 values through
-int8 products) — declared from SageAttention2's measurements on Ada, not measured here (no such GPU). Hopper (sm90)
+Where it is dispatched: on sm80, sm86 and sm89, for qk="int4" sites, ahead of the Triton kernel (which runs int4
+values through int8 products) — declared from SageAttention2's measurements, not measured here (no such GPU). Hopper (sm90)
 has no 4-bit tensor cores: ptxas turns the 4-bit and the mma.sync e4m3 products into int8 / fp16 ones (exact, slower),
 and the sm90 kernel runs int4 sites through its int8 wgmma products, measured faster (docs/results, ``bench int4``);
 there ``supports`` refuses and ``runs`` — what the tests and that benchmark use — accepts.
@@ -25,9 +26,10 @@ NAME = "sm89"
 BLOCK_M = _sm89.BLOCK_M  # query rows per CTA
 BLOCK_N = _sm89.BLOCK_N  # keys per block
 HEAD_DIMS = tuple(_sm89.HEAD_DIMS)
-# Where the 4-bit and e4m3 mma.sync products exist (natively on sm89, emulated on sm90).
-RUNS_ON = ((8, 9), (9, 0))
-DISPATCHED_ON = ((8, 9),)
+# Where the 4-bit mma.sync product exists (natively on sm80/86/89, emulated on sm90); the e4m3 one from sm89 on.
+RUNS_ON = ((8, 0), (8, 6), (8, 9), (9, 0))
+E4M3_FROM = (8, 9)
+DISPATCHED_ON = ((8, 0), (8, 6), (8, 9))
 _OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID = 65535
 
@@ -47,12 +49,14 @@ def runs(site: KernelSite) -> Optional[str]:
         return f"needs an NVIDIA CUDA device (got {site.device.type})"
     cap = _device_capability(site.device)
     if cap not in RUNS_ON:
-        return f"built for sm89 (and sm90, emulated); this GPU is sm{cap[0]}{cap[1]}"
+        return f"built for sm80, sm86, sm89 (and sm90, emulated); this GPU is sm{cap[0]}{cap[1]}"
     scheme = site.scheme
     if scheme.qk != "int4":
         return f"qk={scheme.qk!r}: this kernel multiplies 4-bit integers (qk='int4')"
-    if scheme.pv != "fp8":
-        return f"pv={scheme.pv!r}: this kernel reads e4m3 V̂ (pv='fp8')"
+    if scheme.pv not in ("fp8", "fp16"):
+        return f"pv={scheme.pv!r}: this kernel reads e4m3 or fp16 V̂ (pv='fp8' or 'fp16')"
+    if scheme.pv == "fp8" and cap < E4M3_FROM:
+        return f"pv='fp8' needs the e4m3 MMA of sm89 (this GPU is sm{cap[0]}{cap[1]}): use pv='fp16'"
     if scheme.q_block % BLOCK_M:
         return f"q_block={scheme.q_block}: ΔS groups must be a multiple of the kernel's {BLOCK_M} rows"
     if site.head_dim not in HEAD_DIMS:
@@ -85,7 +89,7 @@ def accepts(args: KernelArgs) -> Optional[str]:
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})"
     v = args.v
-    if v.data_ptr() % 16 or (v.shape[2] > 1 and v.stride(2) % 16) or v.shape[-1] % 16:
+    if v.data_ptr() % 16 or (v.shape[2] > 1 and v.stride(2) * v.element_size() % 16) or v.shape[-1] % 16:
         return "V̂ᵀ rows must be 16-byte aligned and its keys padded to a multiple of 16"
     if args.delta_s is None:
         return "qk='int4' sites carry ΔS (smooth_q); none was given"
@@ -117,4 +121,4 @@ def launch_packed(args: KernelArgs, q_packed: torch.Tensor, k_packed: torch.Tens
                  causal_offset=n_k - n_q if args.causal == 2 else 0,
                  kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64)
     stream = torch.cuda.current_stream(args.device).cuda_stream
-    _sm89.attention(ptr, strides, sizes, dp, _OUT_DTYPES[args.out_dtype], stream)
+    _sm89.attention(ptr, strides, sizes, dp, _OUT_DTYPES[args.out_dtype], args.scheme.pv == "fp16", stream)

@@ -64,6 +64,7 @@ def cases(draw, causal):
         out_dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
         q_block=draw(st.sampled_from([64, 128, 256])),
         k_granularity=draw(st.sampled_from(["per_token", "per_thread", "per_block"])),
+        pv=draw(st.sampled_from(["fp8", "fp16"])),
     )
 
 
@@ -72,16 +73,17 @@ def cases(draw, causal):
 @given(data=st.data())
 def test_matches_oracle(causal, data):
     """Shapes, GQA, kv_lens, smooth_v, Q groups (ΔS rows) of 64–256 rows, every K granularity (one δK per key is
-    read), every out dtype, head dims padded to 64 and 128."""
+    read), every out dtype, head dims padded to 64 and 128, e4m3 PV (K rows permuted) and fp16 PV (natural order)."""
     assert_matches_oracle(make_case(**data.draw(cases(causal)), **INT4))
 
 
+@pytest.mark.parametrize("pv", ["fp8", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [0, 1, 2])
-def test_long_sequence(d, causal):
+def test_long_sequence(d, causal, pv):
     """Many key blocks through the double-buffered copies, bottom-right causal with more keys than queries."""
     assert_matches_oracle(make_case(batch=1, hq=4, hkv=2, n_q=1500, n_k=2100, d=d, causal=causal, seed=d + causal,
-                                    **INT4))
+                                    pv=pv, **INT4))
 
 
 def test_no_keys_and_empty_rows():
@@ -137,6 +139,7 @@ def test_dispatch_only_where_4_bit_tensor_cores_exist():
     assert "attn_mask" in sm89.runs(dataclasses.replace(site, masked=True))
     assert "q_block" in sm89.runs(dataclasses.replace(site, scheme=spec.Scheme(q_block=48, **INT4)))
     assert "head dim" in sm89.runs(dataclasses.replace(site, head_dim=256))
+    assert sm89.runs(dataclasses.replace(site, scheme=spec.Scheme(pv="fp16", **INT4))) is None
 
 
 @pytest.mark.parametrize("name", ["normal", "outliers", "channel_bias"])
