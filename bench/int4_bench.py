@@ -5,9 +5,10 @@ mma.sync products); sm90 — int4 codes in int8, the Hopper kernel's int8 wgmma;
 kernel. TOPS = 4·B·H·N²·D / time (halved for causal), median of ``triton.testing.do_bench``, B·N = 16K tokens, H=16
 at D=128 and H=32 at D=64, 3 rotating input sets; Scheme(qk="int4", smooth_q=True), per_thread K (the default).
 
-    python -m sage_compile bench int4 [--n 4096,16384] [--d 128,64] [--causal 0,1] [--record]
+    python -m sage_compile bench int4 [--n 4096,16384] [--d 128,64] [--causal 0,1] [--pv fp8,fp16] [--record]
 
-Prints a table last. ``--record`` writes docs/results/int4_bench_<device>.json; $OUT/int4_bench.json when OUT is set.
+``--pv``: the PV types timed (each a row; fp16 is the sm80/86 path). Prints a table last. ``--record`` writes
+docs/results/int4_bench_<device>.json; $OUT/int4_bench.json when OUT is set.
 """
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ def _parse(argv):
     ap.add_argument("--n", default="4096,16384")
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--pv", default="fp8,fp16", help="PV types, a row each")
     recording.add_arguments(ap)
     opts = ap.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     opts.ns, opts.ds, opts.causals = ints(opts.n), ints(opts.d), ints(opts.causal)
+    opts.pvs = opts.pv.split(",")
     return opts
 
 
@@ -64,7 +67,7 @@ def main(argv=None):
     sm90, sm89 = _load_sm90(), _load_sm89()
     quant = spec.Scheme(qk="int4", smooth_q=True)
     info = dict(**recording.environment(), capability=list(torch.cuda.get_device_capability()),
-                cudnn=torch.backends.cudnn.version(), tokens=TOKENS, n_sets=N_SETS, scheme=quant.encode(),
+                cudnn=torch.backends.cudnn.version(), tokens=TOKENS, n_sets=N_SETS, scheme=quant.encode(), pv=opts.pvs,
                 timing="triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
                 tops="4*B*H*N^2*D / t, halved for causal")
     rows = []
@@ -73,25 +76,26 @@ def main(argv=None):
         for n in opts.ns:
             batch = max(1, TOKENS // n)
             sets = [_make_inputs(batch, heads, n, d, seed) for seed in range(N_SETS)]
-            prepared = [spec.prepare(q, k, v, d ** -0.5, quant) for q, k, v in sets]
             out, lse = _outputs(batch, heads, n, d)
-            for causal in opts.causals:
-                ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
-                kargs = [_kernel_args(p, causal, d) for p in prepared]
-                row = dict(d=d, h=heads, n=n, b=batch, causal=causal)
-                for name, calls in _kernel_calls(kargs, out, lse, tk, sm90, sm89).items():
-                    calls[0]()  # compiles (Triton) before do_bench sizes its repetitions
-                    t = _bench_ms(_rotating(calls))
-                    row.update({f"{name}_ms": t, f"{name}_tops": ops / t / 1e9})
-                _time_sdpa(row, sets, causal, ops)
-                rows.append(row)
-                print(_fmt_row(row), flush=True)
+            for pv in opts.pvs:
+                prepared = [spec.prepare(q, k, v, d ** -0.5, quant.replace(pv=pv)) for q, k, v in sets]
+                for causal in opts.causals:
+                    ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
+                    kargs = [_kernel_args(p, causal, d) for p in prepared]
+                    row = dict(d=d, h=heads, n=n, b=batch, causal=causal, pv=pv)
+                    for name, calls in _kernel_calls(kargs, out, lse, tk, sm90, sm89).items():
+                        calls[0]()  # compiles (Triton) before do_bench sizes its repetitions
+                        t = _bench_ms(_rotating(calls))
+                        row.update({f"{name}_ms": t, f"{name}_tops": ops / t / 1e9})
+                    _time_sdpa(row, sets, causal, ops)
+                    rows.append(row)
+                    print(_fmt_row(row), flush=True)
             del sets, prepared, out, lse
             torch.cuda.empty_cache()
     paths = recording.save("int4_bench", dict(info=info, rows=rows), opts)
     print(f"\n{info['device']}  torch {info['torch']}  triton {info['triton']}  → {', '.join(paths) or '(not saved)'}")
     print("TOPS (kernel only, qk='int4')")
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c:>8}" for c in COLUMNS))
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} {'pv':>5}" + "".join(f"{c:>8}" for c in COLUMNS))
     for r in rows:
         print(_fmt_row(r))
     return 0
@@ -99,7 +103,7 @@ def main(argv=None):
 
 def _fmt_row(r):
     cells = "".join(f"{r[c + '_tops']:8.0f}" if c + "_tops" in r else f"{'-':>8}" for c in COLUMNS)
-    return f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {cells}"
+    return f"{r['d']:>4} {r['causal']:>6} {r['n']:>6} {r['b']:>3} {r.get('pv', 'fp8'):>5}{cells}"
 
 
 if __name__ == "__main__":

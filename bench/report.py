@@ -237,11 +237,12 @@ def int4_section(runs) -> list:
              "tensor cores, ptxas emulates it and the `mma.sync` e4m3 product); sm90 and Triton: the int4 codes stored in "
              "int8, through int8 products.", ""]
     for _, data in runs:
-        lines += [f"#### {measured(data)}", "", "| D | causal | N | sm89 (4-bit mma) | sm90 (int8 wgmma) | Triton | SDPA cuDNN |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"#### {measured(data)}", "",
+                  "| D | causal | N | PV | sm89 (4-bit mma) | sm90 (int8 wgmma) | Triton | SDPA cuDNN |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
-            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {_f(r.get('sm89_tops'))} | {_f(r.get('sm90_tops'))} | "
-                         f"{_f(r.get('triton_tops'))} | {_f(r.get('cudnn_tops'))} |")
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {r.get('pv', 'fp8')} | {_f(r.get('sm89_tops'))} | "
+                         f"{_f(r.get('sm90_tops'))} | {_f(r.get('triton_tops'))} | {_f(r.get('cudnn_tops'))} |")
         lines.append("")
     return lines
 
