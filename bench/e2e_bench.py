@@ -80,11 +80,12 @@ def rope_tables(n: int, d: int, device, dtype=torch.float32):
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "half", masked: bool = False):
+def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "half", masked: bool = False,
+                    gqa: bool = False):
     """producer(x_q), producer(x_k) → SDPA on [B, N, H, D] inputs. ``extra``: the RMSNorm weights (qknorm_*), then
-    the attn_mask (masked)."""
+    the attn_mask (masked). ``gqa``: x_k and v have fewer heads (a constant: read from the shapes under
+    ``dynamic=True`` it would be a symbolic bool, which SDPA's enable_gqa= takes only through a graph break)."""
     mask = extra[-1] if masked else None
-    gqa = xk.shape[2] != xq.shape[2]  # fewer k/v heads: grouped-query attention
     if producer.startswith("qknorm"):
         xq, xk = rms_norm(xq, extra[0]), rms_norm(xk, extra[1])
     if producer.endswith("interleaved"):  # full-width tables made in the graph, as Flux's position embedding does
@@ -96,12 +97,12 @@ def attention_block(xq, xk, v, cos, sin, *extra, causal: bool, producer: str = "
     return out.transpose(1, 2)
 
 
-def column_block(causal: bool, column: str, producer: str = "half", masked: bool = False):
+def column_block(causal: bool, column: str, producer: str = "half", masked: bool = False, gqa: bool = False):
     """attention_block(..., causal) for one column of the table, with a code object of its own. Dynamo keeps its
     compiled entries per code object and checks their guards in turn on every call: with one function for every
     column, the last-compiled column paid for the others' guards — host-bound at 4K, where the GPU work is shortest."""
     def block(*args):
-        return attention_block(*args, causal=causal, producer=producer, masked=masked)
+        return attention_block(*args, causal=causal, producer=producer, masked=masked, gqa=gqa)
     block.__code__ = block.__code__.replace(co_name=f"block_{producer}_{column}_causal{int(causal)}")
     return block
 
@@ -197,7 +198,8 @@ def _accuracy(compiled_sage, d, opts, k_granularity="per_token"):
         for causal in (False, True):
             inputs = make_inputs(1, 4096, 8, d, seed=7, dist=dist, producer=opts.producer, gqa=opts.gqa)
             out = compiled_sage[causal](*inputs)
-            ref = attention_block(*(t.float() for t in inputs), causal=causal, producer=opts.producer)
+            ref = attention_block(*(t.float() for t in inputs), causal=causal, producer=opts.producer,
+                                  gqa=opts.gqa > 1)
             rows.append(dict(dist=dist, causal=causal, d=d, k_granularity=k_granularity, **accuracy_metrics(out, ref)))
     return rows
 
@@ -274,7 +276,8 @@ def _main(argv=None):
         results["sage_kernel"][f"d{d}"] = kernel  # which quantized-attention kernel these rows timed
         compiled, compiled_pt = {}, {}
         for causal in causals:
-            block = functools.partial(column_block, causal, producer=opts.producer, masked=opts.mask != "none")
+            block = functools.partial(column_block, causal, producer=opts.producer, masked=opts.mask != "none",
+                                      gqa=opts.gqa > 1)
             # the baseline is compiled per shape (static: Inductor's best)
             inductor_by_n = {n: torch.compile(block(f"inductor_{n}"), dynamic=False) for n in ns}
             dynamic = not opts.static
@@ -301,6 +304,10 @@ def _main(argv=None):
                 timed = {name: _rotating([lambda s=s, f=fn: f(*s) for s in sets]) for name, fn in columns}
                 torch._dynamo.utils.counters.clear()
                 row.update(interleaved_ms(timed, opts.rounds))
+                breaks = dict(torch._dynamo.utils.counters["graph_break"])
+                if breaks:  # the columns (re)compile in their first timed call
+                    raise RuntimeError(f"N={n}: a compiled column broke its graph ({breaks}); its time would mix eager "
+                                       "and compiled code")
                 row["sage_counters"] = dict(torch._dynamo.utils.counters["sage"])  # what the passes did
                 for name in ("inductor", *sage_columns, "default"):
                     row[f"{name}_tops"] = ops / row[f"{name}_ms"] / 1e9

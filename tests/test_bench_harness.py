@@ -41,3 +41,27 @@ def test_columns_are_timed_in_interleaved_rounds_and_kept_as_medians(monkeypatch
     monkeypatch.setattr(kernel_bench, "_bench_ms", lambda fn: 5.0)
     assert kernel_bench.interleaved_ms({"a": lambda: None}, rounds=1) == {"a_ms": 5.0}  # one pass: no rounds list
 
+
+
+def test_columns_compile_whole_under_dynamic_shapes_with_and_without_gqa():
+    """A column compiled with dynamic=True is one graph whose site is replaced, grouped-query or not: enable_gqa= is a
+    constant of the column (read from symbolic head counts it broke the graph, and SDPA ran eagerly outside sage)."""
+    import sage_compile
+    from sage_compile import SageConfig
+
+    g = torch.Generator().manual_seed(0)
+    for gqa in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        kv_heads = 1 if gqa else 2
+        inputs = [torch.randn(1, 128, 2, 64, generator=g)] + [torch.randn(1, 128, kv_heads, 64, generator=g)
+                                                               for _ in range(2)] + [torch.randn(128, 1, 32, generator=g)
+                                                                                     for _ in range(2)]
+        inputs = [t.bfloat16() for t in inputs]
+        column = column_block(False, f"default_gqa{int(gqa)}", gqa=gqa)
+        compiled = sage_compile.compile(column, config=SageConfig(min_seq_len=0, inner_backend="aot_eager"),
+                                        dynamic=True)
+        with torch.no_grad():
+            compiled(*inputs)
+        assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+        assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 1
