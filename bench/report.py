@@ -111,7 +111,10 @@ def e2e_section(runs, variants) -> list:
              "run, same inputs; speed-up = inductor time / sage time. generic prep = `fuse_rope=False` (Inductor's own "
              "fusion of rotary + quantization). Shipped config: `SageConfig()` with its measured thresholds, and what it "
              "ran there. Prep GPU ms: the fused rotary + smoothing + quantization alone (CUDA "
-             "graph); memory floor: its bytes at the measured copy bandwidth.", ""]
+             "graph); memory floor: its bytes at the measured copy bandwidth. The `…default_only` variants are the "
+             "sweep of the shipped config (`bash bench/gpu_run.sh sweep`: inductor and shipped config only, 2 rounds); "
+             "where one chose sage below 0.98×, `sage_compile/thresholds.py` cites the row: it keeps SDPA there now, or "
+             "says why not (a 5-round rerun put sage ahead).", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}", ""] + _e2e_table(data)
     for variant, _, data in variants:

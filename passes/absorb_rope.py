@@ -543,6 +543,14 @@ def fuses_producer(q: Node, k: Node, config: SageConfig) -> bool:
     return rope_pair(q, k) is not None
 
 
+def fuses_qk_norm(q: Node, k: Node, config: SageConfig) -> bool:
+    """The producers this pass will fuse include an RMS norm of q or k (QK-norm before the rotary): such sites have
+    their own speed thresholds (thresholds.MEASURED_QK_NORM_PER_THREAD_K) — the norm's row reduction makes the prep
+    costlier."""
+    ropes = rope_pair(q, k) if fuses_producer(q, k, config) else None
+    return ropes is not None and any(rope.norm is not None for rope in ropes)
+
+
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:
     if not config.fuse_rope:
         return gm

@@ -17,8 +17,8 @@ NEVER = math.inf
 # 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K:
 #   D=128 non-causal 2K/4K/8K/16K/32K: H100 0.84, 1.03-1.04, 1.05-1.07, 1.11, 1.13; H200 0.86, 1.05-1.06, 1.03-1.07,
 #     1.13-1.15, 1.16 → from 4K. Causal 4K: H100 0.99, H200 1.00-1.02 (inside the ±3-5% run-to-run spread); 8K
-#     1.02-1.07 → from 8K. The other producers the fused prep absorbs (interleaved rotary, QK-norm + either rotary)
-#     were level or ahead at 4K on both GPUs (0.99-1.19): one table for every producer form.
+#     1.02-1.07 → from 8K. The interleaved rotary was level or ahead at 4K on both GPUs (0.99-1.19): one table for
+#     both rotary forms; a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
 #   D=64: 0.83-1.01 from 4K to 32K, never clearly ahead.
 MEASURED = {
     (9, 128, False): 4096,
@@ -29,16 +29,34 @@ MEASURED = {
 MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 
 # k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), same harness:
-#   D=128 4K/8K/16K: H100 1.10-1.13, 1.17-1.20, 1.23-1.27 (causal 4K 1.07-1.09); H200 1.07-1.11, 1.16-1.23,
-#     1.26-1.31 (causal 4K 1.07-1.14) → from 4K in both alignments.
+#   D=128 4K/8K/16K: H100 1.10-1.13, 1.17-1.20, 1.23-1.27; H200 1.07-1.11, 1.16-1.23, 1.26-1.31; the sweep below at 4K
+#     0.97 in 2 rounds (one of them 1.16), 1.16 in 5 rounds (GQA 1.20) → non-causal from 4K.
+#     Causal 4K: H100 1.07-1.09 and H200 1.07-1.14 in the first runs, but the shipped config's sweep on the H100
+#     (``bench e2e --default-only``, e2e_bench_default_only_h100.json) 1.07 in 2 rounds and 0.92 in 5 rounds, and with
+#     4 query heads per k/v head 0.75 (5 rounds); 8K 1.18-1.27 (GQA 1.15-1.27) → from 8K.
 #   D=64 4K/8K/16K: H100 1.08-1.09, 1.14, 1.22; H200 1.08-1.10, 1.18, 1.19 → non-causal from 4K; causal 4K 1.03-1.04
 #     (inside the spread), 8K 1.05-1.10 → from 8K.
 MEASURED_PER_THREAD_K = {
     (9, 128, False): 4096,
-    (9, 128, True): 4096,
+    (9, 128, True): 8192,
     (9, 64, False): 4096,
     (9, 64, True): 8192,
 }
+
+# Sites whose fused prep also runs a QK-norm (an RMS norm of q and k before the rotary: Qwen3, Flux, SD3): the norm's
+# row reduction makes the prep costlier, so sage wins later. H100, the shipped config's sweep (``bench e2e
+# --default-only --producer qknorm_half``, rounds 2, e2e_bench_qknorm_half_default_only_h100.json), per_thread K,
+# sage / inductor at 4K/8K/16K: D=128 0.98, 1.01, 1.25 (causal 0.96, 0.97, 1.19); D=64 0.95, 1.00, 1.18 (causal 8K
+# 0.97, 16K 1.16) → from 8K non-causal, from 16K causal. Per-token K with a QK-norm is not measured: the later of its
+# rotary entry and this one.
+MEASURED_QK_NORM_PER_THREAD_K = {
+    (9, 128, False): 8192,
+    (9, 128, True): 16384,
+    (9, 64, False): 8192,
+    (9, 64, True): 16384,
+}
+MEASURED_QK_NORM = {key: max(MEASURED[key], MEASURED_QK_NORM_PER_THREAD_K[key]) for key in MEASURED}
+MEASURED_QK_NORM_ON = "H100 (sm90), bench e2e --producer qknorm_half: sites whose fused prep also runs a QK-norm"
 
 
 # Sites with no producer fused into their prep — an eager ``sage_attention`` call (the prep as the fused Triton kernels
@@ -121,12 +139,14 @@ def mask_rows(mask) -> str:
 
 
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
-                mask=None, pv: str = "fp8", standalone: bool = False, compiled: bool = False) -> float:
+                mask=None, pv: str = "fp8", standalone: bool = False, compiled: bool = False,
+                qk_norm: bool = False) -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed) and for NVFP4 (pv='fp4': not
     measured; on GPUs without FP4 tensor cores an emulation, chosen for its numerics). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
     own, faster kernel; a site with an attn_mask: the masked measurements above; ``standalone``, a site whose prep
-    no producer absorbed: MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``); other archs
+    no producer absorbed: MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``; ``qk_norm``,
+    a fused producer with a QK-norm: MEASURED_QK_NORM); other archs
     borrow sm90's entry until measured; unmeasured shapes: 0."""
     if device.type != "cuda" or pv == "fp4":
         return 0
@@ -143,6 +163,9 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
                        else MEASURED_COMPILED_STANDALONE, major, padded_head_dim, causal)
     if standalone:
         return _lookup(MEASURED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_STANDALONE, major,
+                       padded_head_dim, causal)
+    if qk_norm:
+        return _lookup(MEASURED_QK_NORM_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_QK_NORM, major,
                        padded_head_dim, causal)
     return _lookup(MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED, major, padded_head_dim, causal)
 

@@ -439,19 +439,25 @@ def test_fast_path_reasons(reason_case):
 
 def test_the_pass_judges_speed_by_whether_the_rotary_will_be_fused(monkeypatch):
     """Stage 1 decides a site's speed with the table of sites like it: one whose q and k come from a rotary the fused
-    prep absorbs reads the fused-producer thresholds, a plain one MEASURED_STANDALONE (its prep a pass of its own) —
-    so the report says what the op will run. Thresholds stubbed: 0 behind a rotary, never standalone."""
+    prep absorbs reads the fused-producer thresholds, a plain one MEASURED_STANDALONE (its prep a pass of its own),
+    one with a QK-norm before the rotary MEASURED_QK_NORM — so the report says what the op will run. Thresholds
+    stubbed: 0 behind a rotary alone, never standalone or behind a QK-norm."""
     from sage_compile import thresholds
 
-    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args, compiled: thresholds.NEVER if args[-1] else 0)
+    monkeypatch.setattr(thresholds, "min_seq_len",
+                        lambda *args, compiled, qk_norm: thresholds.NEVER if args[-1] or qk_norm else 0)
 
     def plain(xq, xk, v, cos, sin):
         return F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2))
 
+    def qk_norm(xq, xk, v, cos, sin):
+        w = torch.ones(xq.shape[-1], dtype=xq.dtype)
+        return block_half_tables(hf_rms_norm(xq, w), hf_rms_norm(xk, w), v, cos, sin)
+
     g = torch.Generator().manual_seed(0)
     xq, xk, v = (torch.randn(1, 64, 2, 64, generator=g).bfloat16() for _ in range(3))
     cos, sin = (t[:, None, :] for t in tables(64, 64))
-    for fn, replaced in ((block_half_tables, True), (plain, False)):
+    for fn, replaced in ((block_half_tables, True), (plain, False), (qk_norm, False)):
         counters.clear()
         compile_stage1(fn, xq, xk, v, cos, sin, min_seq_len=None)
         assert counters["sage"]["sites_replaced"] == int(replaced)

@@ -86,7 +86,7 @@ def test_thresholds_follow_the_k_granularity(monkeypatch):
         assert thresholds.min_seq_len(cuda, d, causal, "per_thread") == thresholds.MEASURED_PER_THREAD_K[key]
     # the faster instantiation never starts later, and its own table is the one read (it starts earlier somewhere)
     assert all(thresholds.MEASURED_PER_THREAD_K[key] <= thresholds.MEASURED[key] for key in thresholds.MEASURED)
-    assert thresholds.min_seq_len(cuda, 128, True, "per_thread") < thresholds.min_seq_len(cuda, 128, True)
+    assert thresholds.min_seq_len(cuda, 64, False, "per_thread") < thresholds.min_seq_len(cuda, 64, False)
     assert thresholds.min_seq_len(torch.device("cpu"), 128, False, "per_thread") == 0
 
 
@@ -110,7 +110,8 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
             assert (thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True, compiled=True) == table[key]
                     >= thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True))
     seen = []
-    monkeypatch.setattr(thresholds, "min_seq_len", lambda *args, compiled: seen.append((args[-1], compiled)) or 16384)
+    monkeypatch.setattr(thresholds, "min_seq_len",
+                        lambda *args, compiled, qk_norm: seen.append((args[-1], compiled)) or 16384)
     q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
     call = AttentionCall(q, q, q, None, 0.0, False, None, False)
     assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), standalone=True)
@@ -119,6 +120,31 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
         fake = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
     assert "bench e2e --producer none" in sdpa_is_faster(AttentionCall(fake, fake, fake), SageConfig(), standalone=True)
     assert seen == [(True, False), (True, False), (True, True)]
+
+
+def test_sites_behind_a_qk_norm_read_their_own_thresholds(monkeypatch):
+    """A fused producer with a QK-norm (its prep reduces each row before the rotary) has its own table, never earlier
+    than the rotary's alone, for either K granularity; a standalone site reads its own table whatever qk_norm says;
+    and sdpa_is_faster names the measurement it used."""
+    from sage_compile import SageConfig, thresholds
+    from sage_compile.support import AttentionCall, sdpa_is_faster
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    for key in thresholds.MEASURED:
+        _, d, causal = key
+        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", qk_norm=True)
+                == thresholds.MEASURED_QK_NORM_PER_THREAD_K[key] >= thresholds.MEASURED_PER_THREAD_K[key])
+        assert (thresholds.min_seq_len(cuda, d, causal, qk_norm=True)
+                == thresholds.MEASURED_QK_NORM[key] >= max(thresholds.MEASURED[key], thresholds.MEASURED_PER_THREAD_K[key]))
+        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", standalone=True, qk_norm=True)
+                == thresholds.MEASURED_STANDALONE_PER_THREAD_K[key])
+    with torch._subclasses.FakeTensorMode():  # a compiled site on a CUDA device, as a pass sees it
+        q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16, device="cuda")
+    call = AttentionCall(q, q, q, None, 0.0, True, None, False)
+    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), qk_norm=True)
+    assert "qknorm" in sdpa_is_faster(call, SageConfig(), qk_norm=True)
+    assert sdpa_is_faster(call, SageConfig()) is None  # behind a rotary alone: from 8K
 
 
 def test_thresholds_of_masked_sites(monkeypatch):
