@@ -535,20 +535,15 @@ def rope_pair(q: Node, k: Node) -> Optional[Tuple[Rope, Rope]]:
     return rq, rk
 
 
-def fuses_producer(q: Node, k: Node, config: SageConfig) -> bool:
-    """This pass will fuse q's and k's producers into the site's prep: the earlier passes judge the site's speed
-    with the thresholds of such sites (else the prep is a pass of its own: thresholds.MEASURED_STANDALONE)."""
-    if not config.fuse_rope or prep.fast_path_reason(value_of(q), value_of(k), config.scheme, None) is not None:
-        return False
-    return rope_pair(q, k) is not None
-
-
-def fuses_qk_norm(q: Node, k: Node, config: SageConfig) -> bool:
-    """The producers this pass will fuse include an RMS norm of q or k (QK-norm before the rotary): such sites have
-    their own speed thresholds (thresholds.MEASURED_QK_NORM_PER_THREAD_K) — the norm's row reduction makes the prep
-    costlier."""
-    ropes = rope_pair(q, k) if fuses_producer(q, k, config) else None
-    return ropes is not None and any(rope.norm is not None for rope in ropes)
+def fused_producer(q: Node, k: Node, config: SageConfig) -> dict:
+    """What this pass will fuse into the site's prep, as judge_site's ``standalone`` and ``qk_norm``: the earlier
+    passes judge the site's speed with the thresholds of sites like it — none fused (the prep a pass of its own:
+    thresholds.MEASURED_STANDALONE), a rotary, or a rotary after an RMS norm of q or k (thresholds.MEASURED_QK_NORM:
+    the norm's row reduction makes the prep costlier)."""
+    ropes = None
+    if config.fuse_rope and prep.fast_path_reason(value_of(q), value_of(k), config.scheme, None) is None:
+        ropes = rope_pair(q, k)
+    return dict(standalone=ropes is None, qk_norm=ropes is not None and any(rope.norm is not None for rope in ropes))
 
 
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:

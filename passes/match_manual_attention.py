@@ -27,7 +27,7 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, describe_softmax, judge_site, site_name
 from sage_compile.support import AttentionCall
 
-from .absorb_rope import fuses_producer, fuses_qk_norm
+from .absorb_rope import fused_producer
 from .helpers import Node, arg_of, finish_rewrite, is_call, is_cast, replace_node, single_user, strip_casts, value_of
 
 SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
@@ -463,10 +463,8 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
         mask = _as_4d(value_of(match.mask), match) if match.mask is not None else None
         call = AttentionCall(q, k, v, attn_mask=mask, is_causal=bool(match.causal), scale=scale,
                              enable_gqa=match.gqa)
-        standalone = not fuses_producer(match.q.node, match.k.node, config)
-        qk_norm = fuses_qk_norm(match.q.node, match.k.node, config)
         if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled(),
-                          standalone=standalone, qk_norm=qk_norm):
+                          **fused_producer(match.q.node, match.k.node, config)):
             continue
         _replace(gm.graph, match, config)
         changed = True

@@ -14,7 +14,7 @@ from sage_compile.config import SageConfig
 from sage_compile.sites import SiteReport, describe_site, judge_site, site_name
 from sage_compile.support import AttentionCall, causal_mode, needs_grad
 
-from .absorb_rope import fuses_producer, fuses_qk_norm
+from .absorb_rope import fused_producer
 from .helpers import finish_rewrite, is_call, replace_node, value_of
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -59,10 +59,8 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
         if site_config is None:
             report.add(describe_site(name, call, PLAN_KEEPS_SDPA, config, "sdpa"))
             continue
-        standalone = not fuses_producer(args["query"], args["key"], site_config)
-        qk_norm = fuses_qk_norm(args["query"], args["key"], site_config)
-        if not judge_site(report, name, call, site_config, "sdpa", torch.is_grad_enabled(), standalone=standalone,
-                          qk_norm=qk_norm):
+        if not judge_site(report, name, call, site_config, "sdpa", torch.is_grad_enabled(),
+                          **fused_producer(args["query"], args["key"], site_config)):
             continue
         _replace(gm.graph, node, args, site_config)
         changed = True

@@ -58,8 +58,8 @@ def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_
                reason: Optional[str] = None, standalone: bool = True, qk_norm: bool = False) -> bool:
     """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
     ``reason`` is a pass's own objection, found before the shared checks; ``standalone``: no producer will be fused
-    into the site's prep (passes/absorb_rope.fuses_producer), which has its own speed thresholds; ``qk_norm``: the
-    fused producer includes a QK-norm (its own thresholds too)."""
+    into the site's prep, which has its own speed thresholds; ``qk_norm``: the fused producer includes a QK-norm (its
+    own thresholds too) — both as passes/absorb_rope.fused_producer says."""
     from .support import sdpa_is_faster, silent_choice, unsupported_reason
 
     reason = reason or unsupported_reason(call, config, grad_enabled)
