@@ -118,7 +118,9 @@ def e2e_section(runs, variants) -> list:
     for _, data in runs:
         lines += [f"### {measured(data)}", ""] + _e2e_table(data)
     for variant, _, data in variants:
-        lines += [f"### `{variant}` — {measured(data)}", ""] + _e2e_table(data)
+        inputs = (f"producer {data.get('producer', 'half')}, mask {data.get('mask', 'none')}, "
+                  f"{data.get('gqa', 1)} query head(s) per k/v head")
+        lines += [f"### `{variant}` — {inputs}; {measured(data)}", ""] + _e2e_table(data)
     return lines
 
 
