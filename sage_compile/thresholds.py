@@ -47,10 +47,11 @@ MEASURED_PER_THREAD_K = {
 # row reduction makes the prep costlier, so sage wins later. H100, the shipped config's sweep (``bench e2e
 # --default-only --producer qknorm_half``, rounds 2, e2e_bench_qknorm_half_default_only_h100.json), per_thread K,
 # sage / inductor at 4K/8K/16K: D=128 0.98, 1.01, 1.25 (causal 0.96, 0.97, 1.19); D=64 0.95, 1.00, 1.18 (causal 8K
-# 0.97, 16K 1.16) → from 8K non-causal, from 16K causal. Per-token K with a QK-norm is not measured: the later of its
+# 0.97, 16K 1.16) → D=128 from 4K (level there; a whole DiT layer with QK-norm at 4608 tokens ran 1.07×, bench models,
+# models_h100.json), D=64 from 8K, causal from 16K. Per-token K with a QK-norm is not measured: the later of its
 # rotary entry and this one.
 MEASURED_QK_NORM_PER_THREAD_K = {
-    (9, 128, False): 8192,
+    (9, 128, False): 4096,
     (9, 128, True): 16384,
     (9, 64, False): 8192,
     (9, 64, True): 16384,
