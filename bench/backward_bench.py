@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from . import recording
 from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
-from .kernel_bench import _bench_ms
+from .kernel_bench import _bench_ms, add_grid_arguments, int_list, parse_grid
 
 TOKENS = 16 * 1024
 SHAPES = {128: 16, 64: 32}  # head dim → heads
@@ -193,9 +193,7 @@ def speed_rows(ns, ds, causals):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sage_compile bench backward", description=__doc__.split("\n")[0])
     ap.add_argument("--acc-n", default="1024,4096,16384,32768")
-    ap.add_argument("--n", default="1024,4096,8192,16384")
-    ap.add_argument("--d", default="128,64")
-    ap.add_argument("--causal", default="0,1")
+    add_grid_arguments(ap, n="1024,4096,8192,16384")
     ap.add_argument("--activations", help="a file --capture wrote: accuracy on a real model's attention too")
     ap.add_argument("--capture", metavar="FILE", help="write SmolLM2-135M's attention inputs and gradients, and exit")
     recording.add_arguments(ap)
@@ -203,11 +201,11 @@ def main(argv=None) -> int:
     if opts.capture:
         print(capture_activations(opts.capture))
         return 0
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    opts = parse_grid(opts)
     from sage_compile import ops  # noqa: F401 (registers sage::*)
 
-    result = dict(**recording.environment(), accuracy=accuracy_rows(ints(opts.acc_n), opts.activations),
-                  speed=speed_rows(ints(opts.n), ints(opts.d), ints(opts.causal)),
+    result = dict(**recording.environment(), accuracy=accuracy_rows(int_list(opts.acc_n), opts.activations),
+                  speed=speed_rows(opts.ns, opts.ds, opts.causals),
                   timing="triton.testing.do_bench median", tops="3.5*4*B*H*N^2*D / t, halved for causal")
     paths = recording.save("backward", result, opts)
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']} → "

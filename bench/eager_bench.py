@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from . import recording
-from .kernel_bench import N_SETS, SHAPES, TOKENS, _make_inputs, _rotating, interleaved_ms
+from .kernel_bench import (
+    N_SETS, SHAPES, TOKENS, _make_inputs, _rotating, add_grid_arguments, interleaved_ms, parse_grid,
+)
 
 COLUMNS = ("cudnn", "sage", "sage_pt", "default", "compiled", "public")
 
@@ -98,15 +100,10 @@ def _accuracy(sets, causal: bool) -> dict:
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--d", default="128,64")
-    ap.add_argument("--causal", default="0,1")
+    add_grid_arguments(ap)
     ap.add_argument("--rounds", type=int, default=3)
     recording.add_arguments(ap)
-    opts = ap.parse_args(argv)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    opts.ns, opts.ds, opts.causals = ints(opts.n), ints(opts.d), ints(opts.causal)
-    return opts
+    return parse_grid(ap.parse_args(argv))
 
 
 def main(argv=None):

@@ -19,6 +19,7 @@ import torch
 from . import recording
 from .kernel_bench import (
     N_SETS, SHAPES, TOKENS, _bench_ms, _kernel_args, _load_sm90, _make_inputs, _outputs, _rotating, _runs, _time_sdpa,
+    add_grid_arguments, parse_grid,
 )
 
 COLUMNS = ("sm89", "sm90", "triton", "cudnn")
@@ -26,14 +27,10 @@ COLUMNS = ("sm89", "sm90", "triton", "cudnn")
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", default="4096,16384")
-    ap.add_argument("--d", default="128,64")
-    ap.add_argument("--causal", default="0,1")
+    add_grid_arguments(ap, n="4096,16384")
     ap.add_argument("--pv", default="fp8,fp16", help="PV types, a row each")
     recording.add_arguments(ap)
-    opts = ap.parse_args(argv)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    opts.ns, opts.ds, opts.causals = ints(opts.n), ints(opts.d), ints(opts.causal)
+    opts = parse_grid(ap.parse_args(argv))
     opts.pvs = opts.pv.split(",")
     return opts
 

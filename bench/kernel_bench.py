@@ -117,22 +117,38 @@ def precompile(jobs, workers):
         return [e for e in pool.map(_precompile_worker, jobs) if e]
 
 
-def _parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", default="1024,2048,4096,8192,16384,32768")
+def int_list(text: str) -> list:
+    """'1024,4096' → [1024, 4096] (empty items skipped)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_grid_arguments(ap, n: str = "1024,2048,4096,8192,16384,32768") -> None:
+    """--n, --d, --causal: the key lengths, head dims and causal flags a benchmark times, comma-separated; read them
+    with ``parse_grid``."""
+    ap.add_argument("--n", default=n)
     ap.add_argument("--d", default="128,64")
     ap.add_argument("--causal", default="0,1")
+
+
+def parse_grid(opts):
+    """opts.ns, opts.ds, opts.causals from add_grid_arguments' strings; returns opts."""
+    opts.ns, opts.ds, opts.causals = int_list(opts.n), int_list(opts.d), int_list(opts.causal)
+    return opts
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_grid_arguments(ap)
     ap.add_argument("--sweep", action="store_true", help="time every candidate config at --sweep-n")
     ap.add_argument("--sweep-n", default="1024,4096,16384")
     ap.add_argument("--quick", action="store_true", help="N ∈ {1K, 4K, 16K} only")
     ap.add_argument("--workers", type=int, default=12, help="processes that precompile configs")
     ap.add_argument("--no-sdpa", action="store_true")
     recording.add_arguments(ap)
-    opts = ap.parse_args(argv)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    opts.ns = [1024, 4096, 16384] if opts.quick else ints(opts.n)
-    opts.ds, opts.causals = ints(opts.d), ints(opts.causal)
-    opts.sweep_ns = ints(opts.sweep_n) if opts.sweep else []
+    opts = parse_grid(ap.parse_args(argv))
+    if opts.quick:
+        opts.ns = [1024, 4096, 16384]
+    opts.sweep_ns = int_list(opts.sweep_n) if opts.sweep else []
     return opts
 
 
