@@ -119,6 +119,19 @@ def poisoned_outputs(args):
     return out, lse
 
 
+def run_triton(args, config=None):
+    """The Triton kernel on ``args`` into poisoned outputs, after the contract check and its own supports/accepts:
+    (out, lse)."""
+    from sage_compile.kernels import check_inputs
+    from sage_compile.kernels import triton as tk
+
+    out, lse = poisoned_outputs(args)
+    check_inputs(args, out, lse)
+    assert tk.supports(args.site) is None and tk.accepts(args) is None
+    tk.launch(args, out, lse, config=config)
+    return out, lse
+
+
 def oracle(args, block_n):
     """The spec's function on the CPU (CUDA has no int32 matmul) with the kernel's key block, results back on the GPU:
     the C++ kernel, bit for bit the spec at any block (tests/test_cpu_kernel.py) and faster than it."""

@@ -33,12 +33,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import (  # noqa: E402
-    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, draw_kv_lens, make_case, poisoned_outputs,
+    DEV, MASK_KINDS, assert_close_to_oracle, check_accuracy_vs_fp32, draw_kv_lens, make_case, run_triton,
 )
 from helpers import cosine, rel_l1  # noqa: E402
 import sage_compile  # noqa: E402
 from sage_compile import SageConfig, dispatch, kernels, sage_attention, spec  # noqa: E402
-from sage_compile.kernels import check_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -51,16 +50,8 @@ FP4 = dict(qk="fp4", pv="fp4")
 FP4_BOUNDS = {"normal": (0.975, 0.22), "outliers": (0.975, 0.24), "channel_bias": (0.998, 0.06)}
 
 
-def run_kernel(args, config=None):
-    out, lse = poisoned_outputs(args)
-    check_inputs(args, out, lse)
-    assert tk.supports(args.site) is None and tk.accepts(args) is None
-    tk.launch(args, out, lse, config=config)
-    return out, lse
-
-
 def assert_matches_oracle(args):
-    out, lse = run_kernel(args)
+    out, lse = run_triton(args)
     torch.cuda.synchronize()
     return assert_close_to_oracle(args, out, lse, tk.heuristics(args).block_n, f"fp4 {tk.heuristics(args)}")
 
@@ -105,7 +96,7 @@ def test_masks_with_bias_kv_lens_and_bottom_right(mask):
     args = make_case(2, 4, 2, 70, 150, 64, causal=2, smooth_q=True, smooth_v=True, q_block=32, kv_lens=kv_lens,
                      seed=11, mask=mask, **FP4)
     out, _ = assert_matches_oracle(args)
-    assert not torch.equal(out, run_kernel(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
+    assert not torch.equal(out, run_triton(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
@@ -118,7 +109,7 @@ def test_bottom_right_with_more_queries_than_keys_and_no_keys():
     _, lse = assert_matches_oracle(args)
     assert torch.isinf(lse[:, :, :230]).all() and torch.isfinite(lse[:, :, 230:]).all()
     kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out, lse = run_kernel(make_case(2, 2, 1, 33, 40, 64, smooth_v=True, kv_lens=kv_lens, **FP4))
+    out, lse = run_triton(make_case(2, 2, 1, 33, 40, 64, smooth_v=True, kv_lens=kv_lens, **FP4))
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -133,7 +124,7 @@ def test_special_values_follow_the_spec(causal):
     v[0, 1, 11, 5] = math.nan
     p = spec.prepare(q, k, v, 0.125, spec.Scheme(k_granularity="per_token", **FP4))
     args = kernels.KernelArgs.from_prepared(p, None, causal, 64, torch.bfloat16)
-    out, lse = run_kernel(args)
+    out, lse = run_triton(args)
     ref, ref_lse = spec.quantized_attention_reference(**{f: (t.cpu() if isinstance(t, torch.Tensor) else t)
                                                          for f, t in vars(args).items()}, block_n=tk.FP4_CONFIG.block_n)
     assert torch.equal(out.isnan().cpu(), ref.isnan()) and torch.equal(lse.isnan().cpu(), ref_lse.isnan())
@@ -176,5 +167,5 @@ def test_sage_attention_runs_the_rung_end_to_end():
 
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
-    check_accuracy_vs_fp32(lambda args: run_kernel(args)[0], causal, "triton_fp4", quant=spec.Scheme(**FP4),
+    check_accuracy_vs_fp32(lambda args: run_triton(args)[0], causal, "triton_fp4", quant=spec.Scheme(**FP4),
                            bounds=FP4_BOUNDS)

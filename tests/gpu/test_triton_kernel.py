@@ -25,14 +25,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sage_compile.kernels import KernelArgs, check_inputs, mask_problem
+from sage_compile.kernels import KernelArgs, mask_problem
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import (  # noqa: E402
     DEV, MASK_KINDS, assert_close_to_oracle as _assert_close, check_accuracy_vs_fp32, closed_rows_mask, draw_kv_lens,
-    make_case, poisoned_outputs, random_mask,
+    make_case, poisoned_outputs, random_mask, run_triton,
 )
 
 pytestmark = pytest.mark.gpu
@@ -62,21 +62,13 @@ def captured_launch(args):
 
 def assert_matches_oracle(args, config=None):
     cfg = config or tk.heuristics(args)
-    out, lse = run_kernel(args, cfg)
+    out, lse = run_triton(args, cfg)
     torch.cuda.synchronize()
     return assert_close_to_oracle(args, out, lse, cfg)
 
 
 def assert_close_to_oracle(args, out, lse, cfg):
     return _assert_close(args, out, lse, cfg.block_n, str(cfg))
-
-
-def run_kernel(args, config=None):
-    out, lse = poisoned_outputs(args)
-    check_inputs(args, out, lse)
-    assert tk.supports(args.site) is None and tk.accepts(args) is None
-    tk.launch(args, out, lse, config=config)
-    return out, lse
 
 
 @st.composite
@@ -113,7 +105,7 @@ def test_every_mask_kind(mask, pv):
     args = make_case(2, 4, 2, 70, 150, 64, causal=2, pv=pv, smooth_q=True, smooth_v=True, q_block=32,
                      kv_lens=kv_lens, seed=11, mask=mask)
     out, _ = assert_matches_oracle(args)
-    assert not torch.equal(out, run_kernel(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
+    assert not torch.equal(out, run_triton(dataclasses.replace(args, attn_mask=None))[0])  # the mask was read
 
 
 @pytest.mark.parametrize("mask", ["bool[B,1]", "fp32[B,Hq]"])
@@ -140,7 +132,7 @@ def test_mask_of_whole_rows_gives_zero_and_minus_inf(dtype, causal):
     assert torch.equal(torch.isneginf(lse), closed)
     assert (out.float()[closed] == 0).all() and out.float()[~closed].isfinite().all()
     all_closed = dataclasses.replace(args, attn_mask=torch.zeros(mask.shape, dtype=torch.bool, device=DEV))
-    out, lse = run_kernel(all_closed)
+    out, lse = run_triton(all_closed)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -184,16 +176,16 @@ def test_no_keys():
     args = KernelArgs(q_args.q, q_args.q_scale, torch.empty(2, 1, 0, 64, dtype=torch.int8, device=DEV),
                       torch.empty(2, 1, 0, device=DEV), torch.empty(2, 1, 64, 0, dtype=v_dtype, device=DEV),
                       torch.ones(2, 1, 64, device=DEV), None, None, None, None, 1, 64, torch.bfloat16, q_args.scheme)
-    out, lse = run_kernel(args)
+    out, lse = run_triton(args)
     assert (out == 0).all() and torch.isneginf(lse).all()
     kv_lens = torch.zeros(2, dtype=torch.int64, device=DEV)
-    out, lse = run_kernel(make_case(2, 2, 1, 33, 40, 64, pv=PVS[0], smooth_v=True, kv_lens=kv_lens))
+    out, lse = run_triton(make_case(2, 2, 1, 33, 40, 64, pv=PVS[0], smooth_v=True, kv_lens=kv_lens))
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 def test_cuda_graph_capture_and_replay_equals_eager():
     args = make_case(2, 8, 2, 500, 700, 128, causal=1, pv=PVS[0], smooth_v=True, seed=11)
-    eager_out, eager_lse = run_kernel(args)  # also compiles outside the capture
+    eager_out, eager_lse = run_triton(args)  # also compiles outside the capture
     graph, out, lse = captured_launch(args)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     # New values in the same buffers: the replay must follow them.
@@ -203,7 +195,7 @@ def test_cuda_graph_capture_and_replay_equals_eager():
     out.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()
-    fresh_out, fresh_lse = run_kernel(fresh)
+    fresh_out, fresh_lse = run_triton(fresh)
     assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
 
 
@@ -214,7 +206,7 @@ def test_cuda_graph_replay_with_mask_equals_oracle():
     args = make_case(2, 8, 2, 300, 700, 128, causal=2, pv=PVS[0], smooth_q=True, smooth_v=True, seed=21,
                      kv_lens=kv_lens, mask="fp32[B,1]-expanded")
     cfg = tk.heuristics(args)
-    eager_out, eager_lse = run_kernel(args)  # compiles outside the capture
+    eager_out, eager_lse = run_triton(args)  # compiles outside the capture
     graph, out, lse = captured_launch(args)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
     assert_close_to_oracle(args, out, lse, cfg)
@@ -230,7 +222,7 @@ def test_cuda_graph_replay_with_mask_equals_oracle():
     torch.cuda.synchronize()
     assert torch.isneginf(lse[0, :, 17]).all()
     assert_close_to_oracle(args, out, lse, cfg)
-    fresh_out, fresh_lse = run_kernel(args)
+    fresh_out, fresh_lse = run_triton(args)
     assert torch.equal(out, fresh_out) and torch.equal(lse, fresh_lse)
 
 
@@ -258,4 +250,4 @@ def test_supports_reasons():
 
 @pytest.mark.parametrize("causal", [0, 1])
 def test_accuracy_vs_fp32_sdpa(causal):
-    check_accuracy_vs_fp32(lambda args: run_kernel(args)[0], causal, "triton")
+    check_accuracy_vs_fp32(lambda args: run_triton(args)[0], causal, "triton")
