@@ -161,6 +161,22 @@ def mask_problem(args: KernelArgs) -> Optional[str]:
     return attn_mask_problem(args.attn_mask, batch, hq, n_q, args.k.shape[2], args.device)
 
 
+# The CUDA kernels' output dtype codes (csrc/sm90, csrc/sm89: bf16, fp16, fp32).
+OUT_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def site_shape_problem(site: KernelSite, head_dims) -> Optional[str]:
+    """None when a CUDA kernel built for padded ``head_dims`` and OUT_DTYPE_CODES' outputs takes the site's head dim,
+    dtype and causal mode (0, 1, 2), else why."""
+    if site.head_dim not in head_dims:
+        return f"padded head dim {site.head_dim} not in {tuple(head_dims)}"
+    if site.dtype not in OUT_DTYPE_CODES:
+        return f"out dtype {site.dtype} not supported (bf16, fp16, fp32)"
+    if site.causal not in (0, 1, 2):
+        return f"causal={site.causal} not supported"
+    return None
+
+
 def packed_batch_problem(args: KernelArgs) -> Optional[str]:
     """None when ``args`` can be a packed ragged batch's operands (sage_compile.varlen): no ΔS, attn_mask or kv_lens."""
     if args.delta_s is not None or args.attn_mask is not None or args.kv_lens is not None:

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import _sm89
-from . import KernelArgs, KernelSite, broadcast_strides, pack_int4
+from . import OUT_DTYPE_CODES, KernelArgs, KernelSite, broadcast_strides, pack_int4, site_shape_problem
 
 NAME = "sm89"
 BLOCK_M = _sm89.BLOCK_M  # query rows per CTA
@@ -30,7 +30,6 @@ HEAD_DIMS = tuple(_sm89.HEAD_DIMS)
 RUNS_ON = ((8, 0), (8, 6), (8, 9), (9, 0))
 E4M3_FROM = (8, 9)
 DISPATCHED_ON = ((8, 0), (8, 6), (8, 9))
-_OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID = 65535
 
 
@@ -59,12 +58,9 @@ def runs(site: KernelSite) -> Optional[str]:
         return f"pv='fp8' needs the e4m3 MMA of sm89 (this GPU is sm{cap[0]}{cap[1]}): use pv='fp16'"
     if scheme.q_block % BLOCK_M:
         return f"q_block={scheme.q_block}: ΔS groups must be a multiple of the kernel's {BLOCK_M} rows"
-    if site.head_dim not in HEAD_DIMS:
-        return f"padded head dim {site.head_dim} not in {HEAD_DIMS}"
-    if site.dtype not in _OUT_DTYPES:
-        return f"out dtype {site.dtype} not supported (bf16, fp16, fp32)"
-    if site.causal not in (0, 1, 2):
-        return f"causal={site.causal} not supported"
+    reason = site_shape_problem(site, HEAD_DIMS)
+    if reason is not None:
+        return reason
     if site.masked:
         return "no attn_mask in this kernel"
     return None
@@ -121,4 +117,4 @@ def launch_packed(args: KernelArgs, q_packed: torch.Tensor, k_packed: torch.Tens
                  causal_offset=n_k - n_q if args.causal == 2 else 0,
                  kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64)
     stream = torch.cuda.current_stream(args.device).cuda_stream
-    _sm89.attention(ptr, strides, sizes, dp, _OUT_DTYPES[args.out_dtype], args.scheme.pv == "fp16", stream)
+    _sm89.attention(ptr, strides, sizes, dp, OUT_DTYPE_CODES[args.out_dtype], args.scheme.pv == "fp16", stream)

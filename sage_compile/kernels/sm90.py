@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 
 from .. import _sm90
-from . import KernelArgs, KernelSite, broadcast_strides, mask_problem, packed_batch_problem
+from . import (
+    OUT_DTYPE_CODES, KernelArgs, KernelSite, broadcast_strides, mask_problem, packed_batch_problem, site_shape_problem,
+)
 
 NAME = "sm90"
 BLOCK_N = _sm90.BLOCK_N
@@ -29,7 +31,6 @@ INSTANTIATIONS = tuple(tuple(key) for key in _sm90.INSTANTIATIONS)
 # (head_dim, ctas_per_sm, thread_k, bias, pv16) of the tensor-map instantiations: the launch shapes built.
 _SHAPES = frozenset((d, c, thread_k, bias, pv16) for d, c, maps, thread_k, _, bias, pv16 in INSTANTIATIONS if maps)
 
-_OUT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _MAX_GRID_Y = 65535
 
 
@@ -76,12 +77,9 @@ def supports(site: KernelSite) -> Optional[str]:
     if scheme.pv not in PV_TYPES:
         return f"pv={scheme.pv!r}: the kernel reads {' or '.join(PV_TYPES)} V"
     pv16 = scheme.pv == "fp16"
-    if site.head_dim not in HEAD_DIMS:
-        return f"padded head dim {site.head_dim} not in {HEAD_DIMS}"
-    if site.dtype not in _OUT_DTYPES:
-        return f"out dtype {site.dtype} not supported (bf16, fp16, fp32)"
-    if site.causal not in (0, 1, 2):
-        return f"causal={site.causal} not supported"
+    reason = site_shape_problem(site, HEAD_DIMS)
+    if reason is not None:
+        return reason
     ctas = heuristics(site)
     if (site.head_dim, ctas, scheme.k_thread_groups, _biased(site), pv16) not in _SHAPES:
         return (f"no instantiation built for head dim {site.head_dim}, {ctas} CTAs per SM, "
@@ -140,7 +138,7 @@ def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, packed: Optio
         sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp),
         causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
-        out_dtype=_OUT_DTYPES[args.out_dtype], stream=torch._C._cuda_getCurrentRawStream(args.device.index),
+        out_dtype=OUT_DTYPE_CODES[args.out_dtype], stream=torch._C._cuda_getCurrentRawStream(args.device.index),
         ctas_per_sm=heuristics(args.site), k_thread_groups=args.scheme.k_thread_groups,
         delta_s=ptr(args.delta_s), q_group=args.scheme.q_block, mask=ptr(args.attn_mask),
         mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=args.scheme.pv == "fp16",
