@@ -29,11 +29,12 @@ MEASURED = {
 MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 
 # k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), same harness:
-#   D=128 4K/8K/16K: H100 1.10-1.13, 1.17-1.20, 1.23-1.27; H200 1.07-1.11, 1.16-1.23, 1.26-1.31; the sweep below at 4K
-#     0.97 in 2 rounds (one of them 1.16), 1.16 in 5 rounds (GQA 1.20) → non-causal from 4K.
-#     Causal 4K: H100 1.07-1.09 and H200 1.07-1.14 in the first runs, but the shipped config's sweep on the H100
-#     (``bench e2e --default-only``, e2e_bench_default_only_h100.json) 1.07 in 2 rounds and 0.92 in 5 rounds, and with
-#     4 query heads per k/v head 0.75 (5 rounds); 8K 1.18-1.27 (GQA 1.15-1.27) → from 8K.
+#   D=128 4K/8K/16K: H100 1.10-1.13, 1.17-1.20, 1.23-1.27; H200 1.07-1.11, 1.16-1.23, 1.26-1.31; the shipped config's
+#     sweep on the H100 (``bench e2e --default-only``, e2e_bench_default_only_h100.json) 0.97 at 4K, the mean of one
+#     round at 1.16 and one slowed round (a 5-round rerun, not recorded, put sage ahead) → non-causal from 4K.
+#     Causal 4K: H100 1.07-1.09 and H200 1.07-1.14 in the first runs, 1.07 in the sweep, but 0.66 with 4 query heads
+#     per k/v head (e2e_bench_gqa4_default_only_h100.json), and a 5-round rerun (not recorded) put sage behind SDPA
+#     with and without GQA; 8K 1.18 (GQA 1.15) → from 8K.
 #   D=64 4K/8K/16K: H100 1.08-1.09, 1.14, 1.22; H200 1.08-1.10, 1.18, 1.19 → non-causal from 4K; causal 4K 1.03-1.04
 #     (inside the spread), 8K 1.05-1.10 → from 8K.
 MEASURED_PER_THREAD_K = {
