@@ -129,16 +129,16 @@ def _kernels_fwd_bwd(prepared_sets, grad_out, causal, d):
                                                   None, None, causal, d, torch.bfloat16, p.scheme.encode())
 
     with torch.no_grad():
-        sets = [(p, v, spec.prepare_backward(grad_out, forward(p)[0])) for p, v in prepared_sets]
+        sets = [(p, k, v, spec.prepare_backward(grad_out, forward(p)[0], k)) for p, k, v in prepared_sets]
     state = {"i": 0}
 
     def call():
-        p, v, (do8, do_scale, delta) = sets[state["i"] % len(sets)]
+        p, k, v, (do8, do_scale, delta, kc8, kc_scale) = sets[state["i"] % len(sets)]
         state["i"] += 1
         with torch.no_grad():
             _, lse = forward(p)
             return torch.ops.sage.attention_backward(grad_out, do8, do_scale, delta, p.q, p.q_scale, p.k, p.k_scale,
-                                                     v, lse, None, None, causal, d ** -0.5)
+                                                     kc8, kc_scale, v, lse, None, None, causal, d ** -0.5)
     return call
 
 
@@ -170,7 +170,7 @@ def speed_rows(ns, ds, causals):
                 flops = 3.5 * 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, n=n, batch=batch, heads=heads, causal=causal)
                 with torch.no_grad():
-                    prepared = [(spec.prepare(q, k, v, d ** -0.5, config.scheme), v) for q, k, v in sets]
+                    prepared = [(spec.prepare(q, k, v, d ** -0.5, config.scheme), k, v) for q, k, v in sets]
                 columns = {"kernels": _kernels_fwd_bwd(prepared, grad_out, causal, d),
                            "compiled": _fwd_bwd(compiled, sets, grad_out)}
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):

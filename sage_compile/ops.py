@@ -356,18 +356,19 @@ def _(q, q_scale, k, k_scale, v, v_scale, v_mean, delta_s, kv_lens, attn_mask, c
 @_define_op()
 def attention_backward(
     grad_out: torch.Tensor, do8: torch.Tensor, do_scale: torch.Tensor, delta: torch.Tensor,
-    q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-    lse: torch.Tensor, kv_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor], causal: int, scale: float,
+    q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, kc: torch.Tensor,
+    kc_scale: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, kv_lens: Optional[torch.Tensor],
+    attn_mask: Optional[torch.Tensor], causal: int, scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 8-bit backward's products (spec.attention_backward_reference says what each argument holds): returns
     (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32, D = v's head dim. Triton on CUDA, the spec elsewhere."""
-    grads = backward_kernels.products(q.device)(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
-                                                kv_lens, attn_mask, causal, scale)
+    grads = backward_kernels.products(q.device)(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale,
+                                                v, lse, kv_lens, attn_mask, causal, scale)
     return tuple(g.contiguous() for g in grads)
 
 
 @torch.library.register_fake("sage::attention_backward")
-def _(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal, scale):
+def _(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask, causal, scale):
     d = v.shape[-1]
     dq = q.new_empty((*q.shape[:-1], d), dtype=torch.float32)
     dk = k.new_empty((*k.shape[:-1], d), dtype=torch.float32)
@@ -418,17 +419,22 @@ def _(q, k, v, attn_mask, scale, causal, enable_gqa, config, step_rungs):
 
 
 @_define_op()
-def backward_prep(grad_out: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """spec.prepare_backward: (dÔ, δdO, D) for sage.attention_backward. An opaque op, not aten ops in the graph:
+def backward_prep(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """spec.prepare_backward: (dÔ, δdO, D, K̂ᶜ, δKᶜ) for sage.attention_backward. An opaque op, not aten ops in the
+    graph:
     Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of it
     guarded N mod 64), so it is not yet fused into dO's producer."""
-    return spec.prepare_backward(grad_out, out)
+    return spec.prepare_backward(grad_out, out, k)
 
 
 @torch.library.register_fake("sage::backward_prep")
-def _(grad_out, out):
+def _(grad_out, out, k):
     batch, heads, n, d = grad_out.shape
-    dp, tiles = spec.padded_head_dim(d), -(-n // spec.BWD_BLOCK)
+    hkv, n_k, dp = k.shape[1], k.shape[2], spec.padded_head_dim(d)
+    tiles, key_tiles = -(-n // spec.BWD_BLOCK), -(-n_k // spec.BWD_BLOCK)
     return (grad_out.new_empty((batch, heads, n, dp), dtype=torch.int8),
             grad_out.new_empty((batch, heads, tiles, dp), dtype=torch.float32),
-            grad_out.new_empty((batch, heads, n), dtype=torch.float32))
+            grad_out.new_empty((batch, heads, n), dtype=torch.float32),
+            k.new_empty((batch, hkv, n_k, dp), dtype=torch.int8),
+            k.new_empty((batch, hkv, key_tiles, dp), dtype=torch.float32))

@@ -652,19 +652,34 @@ def saturate(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 # The backward (SageBwd): 6 of the 7 attention matmuls in INT8; dP = dO·Vᵀ stays 16-bit.
 # --------------------------------------------------------------------------------------------------------------
 BWD_BLOCK = 64  # the backward's tile edge: its INT8 scales are per row or per column of a BWD_BLOCK² tile
-GRAD_LEVELS = 127  # INT8 levels of P, dO and the two dS operands
+GRAD_LEVELS = 127  # INT8 levels of P, dO, K for dQ and the two dS operands
 
 
-def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor):
+def quantize_channels_per_tile(x: torch.Tensor):
+    """x fp32 [B,H,N,Dp] → (int8 [B,H,N,Dp], δ fp32 [B,H,ceil(N/BWD_BLOCK),Dp]): one scale per channel of each
+    BWD_BLOCK consecutive rows — the rows a product sums over, so the scale varies only along its output."""
+    n = x.shape[-2]
+    tiles = torch.nn.functional.pad(x, (0, 0, 0, (-n) % BWD_BLOCK)).unflatten(-2, (-1, BWD_BLOCK))
+    amax = tiles.abs().amax(dim=-2)  # [B,H,T,Dp]
+    x8, _ = quantize_symmetric(tiles.unsqueeze(-1), amax.unsqueeze(-2).expand(tiles.shape), GRAD_LEVELS)
+    return x8.squeeze(-1).flatten(-3, -2)[..., :n, :].contiguous(), symmetric_delta(amax, GRAD_LEVELS)
+
+
+def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor):
     """The backward's prep: (dÔ int8 [B,Hq,Nq,Dp], δdO fp32 [B,Hq,ceil(Nq/BWD_BLOCK),Dp] — one scale per channel
-    of each BWD_BLOCK query rows, the rows dV's product sums over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O))."""
-    n, d = grad_out.shape[-2], grad_out.shape[-1]
+    of each BWD_BLOCK query rows, the rows dV's product sums over —, D fp32 [B,Hq,Nq] = rowsum(dO∘O), then dQ's K
+    operand K̂ᶜ int8 [B,Hkv,Nk,Dp] with δKᶜ fp32 [B,Hkv,ceil(Nk/BWD_BLOCK),Dp]: the 16-bit k less its mean over the
+    keys, one scale per channel of each BWD_BLOCK keys). dQ = dS·k is the same for any subtracted mean (every row of
+    dS sums to zero); the mean keeps a channel's bias out of its INT8 steps. K̂ᶜ is not the forward's K̂: with one
+    scale per key, a key with an outlier coarsens dQ's product (outlier inputs, N=1K, D=128: dq cosine 0.99886 with
+    the forward's K̂ and δK folded into dS, 0.99932 with K̂ᶜ)."""
+    d = grad_out.shape[-1]
     go = torch.nn.functional.pad(grad_out.float(), (0, padded_head_dim(d) - d))
     delta = (go[..., :d] * out.float()).sum(dim=-1)
-    tiles = torch.nn.functional.pad(go, (0, 0, 0, (-n) % BWD_BLOCK)).unflatten(-2, (-1, BWD_BLOCK))
-    amax = tiles.abs().amax(dim=-2)  # [B,Hq,T,Dp]
-    do8, _ = quantize_symmetric(tiles.unsqueeze(-1), amax.unsqueeze(-2).expand(tiles.shape), GRAD_LEVELS)
-    return do8.squeeze(-1).flatten(-3, -2)[..., :n, :].contiguous(), symmetric_delta(amax, GRAD_LEVELS), delta
+    do8, do_scale = quantize_channels_per_tile(go)
+    kf = torch.nn.functional.pad(finite_or_zero(k.float()), (0, padded_head_dim(k.shape[-1]) - k.shape[-1]))
+    kc8, kc_scale = quantize_channels_per_tile(kf - kf.mean(dim=-2, keepdim=True))
+    return do8, do_scale, delta, kc8, kc_scale
 
 
 def attention_backward_reference(
@@ -676,6 +691,8 @@ def attention_backward_reference(
     q_scale: torch.Tensor,
     k: torch.Tensor,
     k_scale: torch.Tensor,
+    kc: torch.Tensor,
+    kc_scale: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
     kv_lens: Optional[torch.Tensor],
@@ -685,18 +702,19 @@ def attention_backward_reference(
 ):
     """(dq [B,Hq,Nq,D], dk, dv [B,Hkv,Nk,D]) fp32: the gradients of the forward's output (``lse`` its LSE) with
     respect to q, k, v, from the forward's own operands — q, q_scale, k, k_scale as ``Prepared`` holds them
-    (smoothed K; δQ includes scale·log2 e), v as the model gave it (16-bit), ``prepare_backward``'s dÔ, δdO, D.
+    (smoothed K; δQ includes scale·log2 e), v as the model gave it (16-bit), ``prepare_backward``'s dÔ, δdO, D and
+    dQ's K̂ᶜ, δKᶜ.
 
     Per BWD_BLOCK² tile (query rows i, keys j), in the forward's base-2 score units:
       S = Q̂K̂ᵀ·δQ·δK (+ the mask, causal, kv_lens as the forward), P = exp2(S − lse·log2 e) (0 for a row with no
       key); dP = dO·Vᵀ in 16-bit operands, fp32 sums — its errors would reach dS and accumulate along N into dQ, dK;
       dS = P∘(dP − D);
       dV_j += δP_j·δdO·(P̂ᵀ dÔ), P̂ = INT8 of P per key j over the tile's rows;
-      dQ_i += δG_i·(Ĝ K̂), G = dS·δK_j (δK folded in: it varies along the sum), Ĝ INT8 per row i over the tile's keys;
+      dQ_i += δdS_i·(dŜ K̂ᶜ_j)·δKᶜ_j, dŜ INT8 per row i over the tile's keys, K̂ᶜ_j, δKᶜ_j per channel over them;
       dK_j += δH_j·(Ĥᵀ Q̂), H = dS·δQ_i, Ĥ INT8 per key j over the tile's rows.
     Each scale varies only along the product's output, so every product is an exact integer sum times scales.
     Finally dq = scale·dQ, dk = dK / log2 e (δQ carries scale·log2 e), dk and dv summed over a GQA group.
-    K's smoothing needs no term: dq's exact sum over dS·k equals the one over dS·(k − μK) because every row of dS
+    K's smoothing needs no term: dq's exact sum over dS·k equals the one over dS·(k − μ) for any μ because every row of dS
     sums to zero (D = rowsum(dO∘O) = Σ_j P_ij dP_ij when O = PV). The oracle computes every tile at once (N×N
     memory); kernels keep O(N·D)."""
     batch, hq, n_q, dp = q.shape
@@ -707,6 +725,8 @@ def attention_backward_reference(
     qi = q.to(torch.int32)
     ki = k.to(torch.int32).repeat_interleave(group, dim=1)
     ks = k_scale.repeat_interleave(group, dim=1)
+    kci = kc.double().repeat_interleave(group, dim=1)
+    kcs = kc_scale.double().repeat_interleave(group, dim=1)  # [B,Hq,Tk,Dp]
     s = (qi @ ki.transpose(-1, -2)).float() * q_scale.unsqueeze(-1) * ks.unsqueeze(-2)
     s = masked_scores(s, attn_mask, causal_allowed(n_q, n_k, causal, q.device),
                       None if kv_lens is None else valid_key_mask(kv_lens, n_k))
@@ -719,14 +739,13 @@ def attention_backward_reference(
     dq = torch.zeros(batch, hq, n_q, dp, dtype=torch.float64, device=q.device)
     dk = torch.zeros_like(dv)
     do_t, q_t = rows(do8.double()), rows(qi.double())  # [B,Hq,T,BWD_BLOCK,Dp]
-    for j0 in range(0, n_k, BWD_BLOCK):
+    for tile, j0 in enumerate(range(0, n_k, BWD_BLOCK)):
         cols = slice(j0, min(j0 + BWD_BLOCK, n_k))
         p_t = rows(p[..., cols]).transpose(-1, -2)  # [B,Hq,T,keys,rows]
         p8, p_scale = quantize_symmetric(p_t, p_t.amax(dim=-1), GRAD_LEVELS)
         dv[:, :, cols] += ((p8.double() @ (do_t * do_scale.unsqueeze(-2).double())) * p_scale.unsqueeze(-1)).sum(2)
-        g = ds[..., cols] * ks[:, :, None, cols]
-        g8, g_scale = quantize_symmetric(g, g.abs().amax(dim=-1), GRAD_LEVELS)
-        dq += (g8.double() @ ki[:, :, cols].double()) * g_scale.unsqueeze(-1)
+        g8, g_scale = quantize_symmetric(ds[..., cols], ds[..., cols].abs().amax(dim=-1), GRAD_LEVELS)
+        dq += (g8.double() @ kci[:, :, cols]) * g_scale.unsqueeze(-1) * kcs[:, :, tile].unsqueeze(-2)
         h_t = rows(ds[..., cols] * q_scale.unsqueeze(-1)).transpose(-1, -2)  # [B,Hq,T,keys,rows]
         h8, h_scale = quantize_symmetric(h_t, h_t.abs().amax(dim=-1), GRAD_LEVELS)
         dk[:, :, cols] += ((h8.double() @ q_t) * h_scale.unsqueeze(-1)).sum(2)

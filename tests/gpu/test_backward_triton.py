@@ -87,9 +87,9 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, kv_lens=None, mask=None, se
     out, lse = spec.quantized_attention_reference(
         cpu(p.q), cpu(p.q_scale), cpu(p.k), cpu(p.k_scale), cpu(p.v), cpu(p.v_scale), cpu(p.v_mean), None,
         cpu(kv_lens), cpu(attn_mask), causal, d, dtype, p.scheme)
-    do8, do_scale, delta = spec.prepare_backward(grad_out, out.to(device))
+    do8, do_scale, delta, kc, kc_scale = spec.prepare_backward(grad_out, out.to(device), k)
     args = dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=p.q, q_scale=p.q_scale, k=p.k,
-                k_scale=p.k_scale, v=v, lse=lse.to(device), kv_lens=kv_lens, attn_mask=attn_mask, causal=causal,
+                k_scale=p.k_scale, kc=kc, kc_scale=kc_scale, v=v, lse=lse.to(device), kv_lens=kv_lens, attn_mask=attn_mask, causal=causal,
                 scale=scale)
     return args, (q, k, v, grad_out)
 

@@ -4,7 +4,7 @@ A family module exposes ``NAME``; ``unsupported(scheme) -> Optional[str]`` (why 
 quantized this way, or None); ``forward_scheme(scheme)`` — the scheme the forward runs with where inputs require
 grad; ``saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse)`` — the tensors the forward saves for it; and ``backward(saved, kv_lens, call, grad_out) -> (dq, dk, dv)`` in q's, k's and v's dtypes
 and shapes (dk, dv summed over a GQA group). ``autograd.AttentionFunction`` calls them. The families:
-* ``sage`` — the 8-bit backward (SageBwd, spec.attention_backward_reference): ``sage::backward_prep`` (dÔ, D),
+* ``sage`` — the 8-bit backward (SageBwd, spec.attention_backward_reference): ``sage::backward_prep`` (dÔ, D, dQ's K̂ᶜ),
   then ``sage::attention_backward`` (Triton on CUDA: ``triton_bwd``; the spec itself elsewhere).
 * ``sdpa`` — the exact attention gradient at the same inputs, through F.scaled_dot_product_attention's own
   backward (the forward stays 8-bit, so this is a straight-through estimate of the quantized forward's gradient).

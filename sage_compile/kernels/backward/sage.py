@@ -1,6 +1,6 @@
 """Backward family ``sage``: the 8-bit backward (SageBwd; spec.attention_backward_reference). It reuses the
-forward's own INT8 operands — Q̂, δQ, smoothed K̂, δK — with v, the output and its LSE; its prep
-(``sage::backward_prep``: dÔ and D = rowsum(dO∘O)) and its products (``sage::attention_backward``) are ops."""
+forward's own INT8 operands — Q̂, δQ, smoothed K̂, δK — with k, v, the output and its LSE; its prep
+(``sage::backward_prep``: dÔ, D = rowsum(dO∘O) and dQ's K̂ᶜ) and its products (``sage::attention_backward``) are ops."""
 from __future__ import annotations
 
 import torch
@@ -28,12 +28,13 @@ def forward_scheme(scheme):
 
 
 def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
-    return prepared.q, prepared.q_scale, prepared.k, prepared.k_scale, v, kernel_mask, out, lse
+    """The forward's INT8 Q̂, K̂ (for S), the 16-bit k (dQ's own K̂ᶜ is made from it) and v, the mask, O and LSE."""
+    return prepared.q, prepared.q_scale, prepared.k, prepared.k_scale, k, v, kernel_mask, out, lse
 
 
 def backward(saved, kv_lens, call, grad_out):
-    q8, q_scale, k8, k_scale, v, kernel_mask, out, lse = saved
-    do8, do_scale, delta = torch.ops.sage.backward_prep(grad_out, out)
-    dq, dk, dv = torch.ops.sage.attention_backward(grad_out, do8, do_scale, delta, q8, q_scale, k8, k_scale, v, lse,
-                                                   kv_lens, kernel_mask, call.causal, call.scale)
+    q8, q_scale, k8, k_scale, k, v, kernel_mask, out, lse = saved
+    do8, do_scale, delta, kc8, kc_scale = torch.ops.sage.backward_prep(grad_out, out, k)
+    dq, dk, dv = torch.ops.sage.attention_backward(grad_out, do8, do_scale, delta, q8, q_scale, k8, k_scale, kc8,
+                                                   kc_scale, v, lse, kv_lens, kernel_mask, call.causal, call.scale)
     return dq.to(out.dtype), dk.to(v.dtype), dv.to(v.dtype)

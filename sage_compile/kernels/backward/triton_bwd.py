@@ -9,13 +9,13 @@ INT8 scale is taken over the same 64 elements as the oracle's:
     dP = dO·Vᵀ (16-bit operands, fp32 sums);  dS = P∘(dP − D)
     dV_j += δP_j·δdO·(P̂ᵀ dÔ)   P̂ = INT8 of P per key over the tile's rows
     dK_j += δH_j·(Ĥᵀ Q̂)        H = dS·δQ_i, INT8 per key over the tile's rows
-    dQ_i += δG_i·(Ĝ K̂)         G = dS·δK_j, INT8 per row over the tile's keys
+    dQ_i += δdS_i·(dŜ K̂ᶜ_j)·δKᶜ_j   dŜ INT8 per row over the tile's keys; K̂ᶜ, δKᶜ per channel over them
 
 * ``_bwd_dkdv``: one program per (key block, batch·kv head). It loops over the GQA group's query heads and their
   query blocks (causal: from the first block that can see the key block; kv_lens: none past it), holds dK and dV
   in fp32 registers and stores them once — the group's sum without atomics or copies of K/V.
 * ``_bwd_dq``: one program per (query block, batch·query head); loops over the visible key blocks, stores dQ.
-A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, Ĝ, Ĥ are 0).
+A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, dŜ, Ĥ are 0).
 
 Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division,
 x̂ = rint(x·(1/δ)) — the product clamped to ±127 (which also keeps it from being contracted into the rint's add of
@@ -181,8 +181,9 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dq(
-        DO, DSUM, Q, QS, K, KS, V, LSE, KVL, AM, DQ, scale,
+        DO, DSUM, Q, QS, K, KS, KC, KCS, V, LSE, KVL, AM, DQ, scale,
         sdo_b, sdo_h, sdo_n, sdo_d, sdl_b, sdl_h, sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h,
+        skc_b, skc_h, skc_n, skcs_b, skcs_h, skcs_t,
         sv_b, sv_h, sv_n, sv_d, slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdq_b, sdq_h, sdq_n,
         Hq, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
         HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -233,6 +234,9 @@ if triton is not None:
             ks = tl.load(KS + b64 * sks_b + hk64 * sks_h + offs_n, mask=key_ok, other=0.0)
             v = tl.load(V + b64 * sv_b + hk64 * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
                         mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            kc = tl.load(KC + b64 * skc_b + hk64 * skc_h + offs_n[:, None] * skc_n + offs_d[None, :],
+                         mask=key_ok[:, None], other=0)
+            kcs = tl.load(KCS + b64 * skcs_b + hk64 * skcs_h + (n0 // BLOCK) * skcs_t + offs_d)
             allowed = row_ok[:, None] & (offs_n < n_valid)[None, :]
             if CAUSAL:
                 allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
@@ -245,10 +249,9 @@ if triton is not None:
                         allowed, HAS_MASK, MASK_IS_BOOL)
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - dsum[:, None])
-            # dQ_i += δG_i·(Ĝ K̂), G = dS·δK_j
-            gq = ds * ks[None, :]
-            g8, g_scale = _int8_quantize(gq, tl.max(tl.abs(gq), 1), 1)
-            dq += _i32_to_f32(tl.dot(g8, k, out_dtype=tl.int32)) * g_scale[:, None]
+            # dQ_i += δdS_i·(dŜ K̂ᶜ_j)·δKᶜ_j
+            ds8, ds_scale = _int8_quantize(ds, tl.max(tl.abs(ds), 1), 1)
+            dq += _i32_to_f32(tl.dot(ds8, kc, out_dtype=tl.int32)) * ds_scale[:, None] * kcs[None, :]
 
         dq = dq * scale
         tl.store(DQ + b64 * sdq_b + h64 * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :], dq,
@@ -258,7 +261,8 @@ if triton is not None:
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
-def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal) -> None:
+def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask,
+                 causal) -> None:
     """The contract of ``attention_backward`` (spec.attention_backward_reference's arguments), as ValueErrors: the
     kernels read wherever pointers, sizes and strides say."""
     def fail(msg):
@@ -285,12 +289,14 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
         "q_scale": ((batch, hq, n_q), (torch.float32,)),
         "k": ((batch, hkv, n_k, dp), (torch.int8,)),
         "k_scale": ((batch, hkv, n_k), (torch.float32,)),
+        "kc": ((batch, hkv, n_k, dp), (torch.int8,)),
+        "kc_scale": ((batch, hkv, math.ceil(n_k / BLOCK), dp), (torch.float32,)),
         "v": ((batch, hkv, n_k, d), _GRAD_DTYPES),
         "lse": ((batch, hq, n_q), (torch.float32,)),
         "kv_lens": ((batch,), KV_LENS_DTYPES),
     }
     tensors = dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=q, q_scale=q_scale, k=k,
-                   k_scale=k_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=attn_mask)
+                   k_scale=k_scale, kc=kc, kc_scale=kc_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=attn_mask)
     for name, t in tensors.items():
         if t is None:
             if name not in ("kv_lens", "attn_mask"):
@@ -308,7 +314,7 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse,
                 fail(f"{name}.dtype={t.dtype}, expected {' or '.join(map(str, dtypes))}")
     if v.dtype != grad_out.dtype:
         fail(f"v ({v.dtype}) and grad_out ({grad_out.dtype}) must share a dtype: dP = dO·Vᵀ is one 16-bit dot")
-    for name in ("do8", "q", "k", "do_scale"):  # the int8 dot operands and δdO are read with unit channel stride
+    for name in ("do8", "q", "k", "kc", "do_scale", "kc_scale"):  # int8 dot operands, δdO, δKᶜ: unit channel stride
         t = tensors[name]
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             fail(f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
@@ -326,6 +332,8 @@ def attention_backward(
     q_scale: torch.Tensor,
     k: torch.Tensor,
     k_scale: torch.Tensor,
+    kc: torch.Tensor,
+    kc_scale: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
     kv_lens: Optional[torch.Tensor],
@@ -335,11 +343,12 @@ def attention_backward(
 ):
     """-> (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32: ``spec.attention_backward_reference`` (its
     arguments, in its order: grad_out and v 16-bit with any strides, ``prepare_backward``'s dÔ, δdO, D, the
-    forward's prepared q, δQ, k, δK and its natural-log lse; ``attn_mask`` in kernel form, broadcast dims read with
-    stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv), dQ (⌈Nq/64⌉, B·Hq)."""
+    forward's prepared q, δQ, k, δK, ``prepare_backward``'s K̂ᶜ, δKᶜ, the forward's natural-log lse; ``attn_mask``
+    in kernel form, broadcast dims read with stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv), dQ (⌈Nq/64⌉, B·Hq)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("sage attention backward (triton): Triton is not installed")
-    check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kv_lens, attn_mask, causal)
+    check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask,
+                 causal)
     batch, hq, n_q, dp = q.shape
     hkv, n_k = k.shape[1], k.shape[2]
     d = grad_out.shape[-1]
@@ -376,10 +385,11 @@ def attention_backward(
         )
     if n_q > 0:
         _bwd_dq[(triton.cdiv(n_q, BLOCK), batch * hq)](
-            grad_out, delta, q, q_scale, k, k_scale, v, lse, kvl, am, dq, float(scale),
+            grad_out, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kvl, am, dq, float(scale),
             sdo[0], sdo[1], sdo[2], sdo[3], delta.stride(0), delta.stride(1),
             q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
             k.stride(0), k.stride(1), k.stride(2), k_scale.stride(0), k_scale.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), kc_scale.stride(0), kc_scale.stride(1), kc_scale.stride(2),
             sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
