@@ -7,7 +7,7 @@ Tolerance against the oracle. Both compute every INT8 product as an exact intege
 same 64² tiles; they differ only by rounding before the quantizations and in the sums after them:
 * P: the GPU's exp2 (ex2.approx, ~2 ulp) against the oracle's float64 one rounded to fp32, and a fused multiply-add
   in S − lse·log2 e: P differs by a few ulp (~1e-7 relative), dP's fp32 dot sums in another order (~1e-7 of |dO||V|).
-  Then an element of P̂, Ĝ or Ĥ whose x·(1/δ) lies within ~1e-6 of a half-integer rounds to the neighbouring INT8
+  Then an element of P̂, dŜ or Ĥ whose x·(1/δ) lies within ~1e-6 of a half-integer rounds to the neighbouring INT8
   step (chance ~1e-6 per element): one 1/127-of-the-tile's-amax step in one product of one tile — ~1e-3 of one row
   of dq (or key of dk, dv) that sums over a single tile, far less over many tiles and heads. (The amax setting δ
   moves by the same ~1e-7, which moves no rounding but rescales the whole group by ~1e-7.)
