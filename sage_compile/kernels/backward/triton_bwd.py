@@ -344,7 +344,8 @@ def attention_backward(
     """-> (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32: ``spec.attention_backward_reference`` (its
     arguments, in its order: grad_out and v 16-bit with any strides, ``prepare_backward``'s dÔ, δdO, D, the
     forward's prepared q, δQ, k, δK, ``prepare_backward``'s K̂ᶜ, δKᶜ, the forward's natural-log lse; ``attn_mask``
-    in kernel form, broadcast dims read with stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv), dQ (⌈Nq/64⌉, B·Hq)."""
+    in kernel form, broadcast dims read with stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv),
+    dQ (⌈Nq/64⌉, B·Hq)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("sage attention backward (triton): Triton is not installed")
     check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask,
