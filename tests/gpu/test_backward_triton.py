@@ -169,6 +169,28 @@ def test_accuracy_vs_fp32_sdpa(case):
     assert_accurate(case)
 
 
+def outlier_gradients(device, seed=1):
+    """(8-bit dq, fp32 SDPA's dq) through sage_attention(backward="sage") on outlier inputs — N(0,1) with 0.1% of
+    the elements at 10σ —, B=1, H=4, N=1024, D=128."""
+    from sage_compile import SageConfig, sage_attention
+    from sage_compile.bench.distributions import sample_qkv
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in sample_qkv("outliers", (1, 4, 1024, 128), g, device))
+    grad_out = torch.randn(q.shape, device=device, generator=g).to(torch.bfloat16)
+    out = sage_attention(q, k, v, config=SageConfig(min_seq_len=0, backward="sage", fallback="error"))
+    dq = torch.autograd.grad(out, q, grad_out)[0]
+    return dq, sdpa_gradients(q, k, v, grad_out, 0)[0]
+
+
+def test_dq_on_outlier_inputs_reaches_0999():
+    """dQ multiplies its own per-channel K̂ᶜ (spec.prepare_backward): on outlier inputs dq's cosine against fp32 is
+    0.9993 with the spec on the CPU at this shape; the forward's per-key K̂ with δK folded into dS gave 0.9988 on the
+    H100. The GPU's rounding differs from the spec's by ~1e-6 (test_matches_oracle): 0.999 holds with room."""
+    dq, want = outlier_gradients(DEV)
+    assert cosine(dq, want) >= 0.999
+
+
 def test_bad_inputs_raise():
     args, _ = make_case(1, 2, 1, 64, 64, 64, seed=1)
     with pytest.raises(ValueError, match="do8 has shape"):
