@@ -31,7 +31,7 @@ inputs give finite gradients. Launches go to the current stream and allocate onl
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -51,12 +51,22 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # padded (spec.padded_head_dim); int8 
 _GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def launch_config(padded_head_dim: int):
-    """(num_warps dK/dV, num_warps dQ, num_stages). Measured on the H100 (B=1, H=8, N=4096, bf16, not causal; warps
-    4/8 × stages 1–3): 4 warps and 2 stages for both kernels, at Dp 64 (0.76 ms; 8 warps 1.2–1.5 ms) and Dp 128
-    (1.76 ms; 8 warps for dK/dV, which holds two [64, Dp] fp32 accumulators, 1.99 ms). Dp 256 (not measured): 8
-    warps, so that the accumulators keep to ≤ 128 registers a thread."""
-    return (4, 4, 2) if padded_head_dim <= 128 else (8, 8, 2)
+class LaunchConfig(NamedTuple):
+    """How the two kernels are launched: keys per dK/dV program and query rows per dQ program (multiples of the
+    64-element scale groups: the tiles inside stay BLOCK²), warps of each, pipeline stages of both."""
+    block_keys: int
+    warps_kv: int
+    block_rows: int
+    warps_q: int
+    stages: int
+
+
+def launch_config(padded_head_dim: int) -> LaunchConfig:
+    """Measured on the H100 (B=1, H=8, N=4096, bf16, not causal; 64-key / 64-row programs, warps 4/8 × stages 1–3):
+    4 warps and 2 stages for both kernels, at Dp 64 (0.76 ms; 8 warps 1.2–1.5 ms) and Dp 128 (1.76 ms; 8 warps for
+    dK/dV, which holds two [64, Dp] fp32 accumulators, 1.99 ms). Dp 256 (not measured): 8 warps, so that the
+    accumulators keep to ≤ 128 registers a thread."""
+    return LaunchConfig(BLOCK, 4, BLOCK, 4, 2) if padded_head_dim <= 128 else LaunchConfig(BLOCK, 8, BLOCK, 8, 2)
 
 
 if triton is not None:
@@ -101,18 +111,20 @@ if triton is not None:
         sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h, sv_b, sv_h, sv_n, sv_d,
         slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         Hkv, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
-        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-        MASK_IS_BOOL: tl.constexpr,
+        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     ):
-        """dK, dV of one key block of one (batch, kv head); every tile is computed transposed, [keys, rows]."""
+        """dK, dV of one block of BLOCK_KEYS keys of one (batch, kv head), over query tiles of BLOCK rows (the INT8
+        scale groups: P̂ and Ĥ per key over a tile's rows, so the key block may be any multiple of 16); every tile is
+        computed transposed, [keys, rows]."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hkv
         hk = pid_bh % Hkv
         b64 = b.to(tl.int64)
         hk64 = hk.to(tl.int64)
-        n_lo = pid_n * BLOCK
-        offs_n = n_lo + tl.arange(0, BLOCK)
+        n_lo = pid_n * BLOCK_KEYS
+        offs_n = n_lo + tl.arange(0, BLOCK_KEYS)
         offs_r = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DP)
         key_ok = offs_n < Nk
@@ -134,8 +146,8 @@ if triton is not None:
         else:
             m_lo = 0
 
-        dk = tl.zeros([BLOCK, HEAD_DP], tl.float32)
-        dv = tl.zeros([BLOCK, HEAD_DP], tl.float32)
+        dk = tl.zeros([BLOCK_KEYS, HEAD_DP], tl.float32)
+        dv = tl.zeros([BLOCK_KEYS, HEAD_DP], tl.float32)
         for g in range(0, GQA):
             h64 = (hk * GQA + g).to(tl.int64)
             for m0 in range(m_lo, m_hi, BLOCK):
@@ -186,10 +198,11 @@ if triton is not None:
         skc_b, skc_h, skc_n, skcs_b, skcs_h, skcs_t,
         sv_b, sv_h, sv_n, sv_d, slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdq_b, sdq_h, sdq_n,
         Hq, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
-        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-        MASK_IS_BOOL: tl.constexpr,
+        HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+        HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     ):
-        """dQ of one query block of one (batch, query head)."""
+        """dQ of one block of BLOCK_ROWS query rows of one (batch, query head), over key tiles of BLOCK keys (the INT8
+        scale groups: Ĝ per row over a tile's keys)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hq
@@ -197,8 +210,8 @@ if triton is not None:
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
         hk64 = (h // GQA).to(tl.int64)
-        q_lo = pid_m * BLOCK
-        offs_m = q_lo + tl.arange(0, BLOCK)
+        q_lo = pid_m * BLOCK_ROWS
+        offs_m = q_lo + tl.arange(0, BLOCK_ROWS)
         offs_c = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, HEAD_DP)
         row_ok = offs_m < Nq
@@ -222,10 +235,10 @@ if triton is not None:
             n_valid = tl.minimum(tl.maximum(tl.load(KVL + b).to(tl.int32), 0), Nk)
         hi = n_valid
         if CAUSAL:  # key j < (last row + 1) + offset
-            hi = tl.minimum(hi, tl.minimum(q_lo + BLOCK, Nq) + causal_offset)
+            hi = tl.minimum(hi, tl.minimum(q_lo + BLOCK_ROWS, Nq) + causal_offset)
         hi = tl.maximum(hi, 0)
 
-        dq = tl.zeros([BLOCK, HEAD_DP], tl.float32)
+        dq = tl.zeros([BLOCK_ROWS, HEAD_DP], tl.float32)
         for n0 in range(0, hi, BLOCK):
             offs_n = n0 + offs_c
             key_ok = offs_n < Nk
@@ -340,12 +353,13 @@ def attention_backward(
     attn_mask: Optional[torch.Tensor],
     causal: int,
     scale: float,
+    launch: Optional[LaunchConfig] = None,
 ):
     """-> (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32: ``spec.attention_backward_reference`` (its
     arguments, in its order: grad_out and v 16-bit with any strides, ``prepare_backward``'s dÔ, δdO, D, the
     forward's prepared q, δQ, k, δK, ``prepare_backward``'s K̂ᶜ, δKᶜ, the forward's natural-log lse; ``attn_mask``
-    in kernel form, broadcast dims read with stride 0; ``causal`` as spec.CAUSAL_*). Grid: dK/dV (⌈Nk/64⌉, B·Hkv),
-    dQ (⌈Nq/64⌉, B·Hq)."""
+    in kernel form, broadcast dims read with stride 0; ``causal`` as spec.CAUSAL_*). ``launch``: default
+    ``launch_config(Dp)``. Grid: dK/dV (⌈Nk/block_keys⌉, B·Hkv), dQ (⌈Nq/block_rows⌉, B·Hq)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("sage attention backward (triton): Triton is not installed")
     check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask,
@@ -367,13 +381,15 @@ def attention_backward(
     else:
         mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
     causal_offset = n_k - n_q if causal == spec.CAUSAL_BOTTOM_RIGHT else 0
-    warps_kv, warps_q, stages = launch_config(dp)
+    launch = launch or launch_config(dp)
+    if launch.block_keys % BLOCK or launch.block_rows % BLOCK:
+        raise ValueError(f"sage attention backward (triton): {launch}: program blocks must be multiples of {BLOCK}")
     flags = dict(HEAD_DP=dp, BLOCK=BLOCK, CAUSAL=causal != spec.CAUSAL_NONE, HAS_MASK=attn_mask is not None,
                  MASK_IS_BOOL=mask_is_bool)
     sdo = grad_out.stride()
     sv = v.stride()
     if n_k > 0:
-        _bwd_dkdv[(triton.cdiv(n_k, BLOCK), batch * hkv)](
+        _bwd_dkdv[(triton.cdiv(n_k, launch.block_keys), batch * hkv)](
             grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kvl, am, dk, dv,
             sdo[0], sdo[1], sdo[2], sdo[3], do8.stride(0), do8.stride(1), do8.stride(2),
             do_scale.stride(0), do_scale.stride(1), do_scale.stride(2), delta.stride(0), delta.stride(1),
@@ -382,10 +398,10 @@ def attention_backward(
             sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             hkv, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
-            num_warps=warps_kv, num_stages=stages, **flags,
+            num_warps=launch.warps_kv, num_stages=launch.stages, BLOCK_KEYS=launch.block_keys, **flags,
         )
     if n_q > 0:
-        _bwd_dq[(triton.cdiv(n_q, BLOCK), batch * hq)](
+        _bwd_dq[(triton.cdiv(n_q, launch.block_rows), batch * hq)](
             grad_out, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kvl, am, dq, float(scale),
             sdo[0], sdo[1], sdo[2], sdo[3], delta.stride(0), delta.stride(1),
             q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
@@ -394,6 +410,6 @@ def attention_backward(
             sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
-            num_warps=warps_q, num_stages=stages, **flags,
+            num_warps=launch.warps_q, num_stages=launch.stages, BLOCK_ROWS=launch.block_rows, **flags,
         )
     return dq, dk, dv
