@@ -9,6 +9,8 @@
 #                                            --record, N 1K-64K, D 128/64, causal 0/1) per variant: a --producer
 #                                            (half, interleaved, qknorm_half, qknorm_interleaved, none),
 #                                            key_padding (--mask) or gqa4 (--gqa 4)
+#   bash bench/gpu_run.sh static_sweep <variant>...  the same at N 1K-8K (where the thresholds choose), both compiled
+#                                            per shape (--static, 3 rounds)
 # Add --record to a benchmark's options to replace its docs/results/<bench>_<device>.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
@@ -27,15 +29,16 @@ case "$mode" in
   quick) python -m sage_compile bench e2e --n 4096,16384 --d 128 "$@" 2>&1 | tee "$OUT/e2e.log" | tail -12 ;;
   full|bench) python -m sage_compile bench e2e "$@" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   kernel|int4|eager|e2e|models|accuracy|backward|train|context_parallel|varlen) python -m sage_compile bench "$mode" "$@" 2>&1 | tee "$OUT/$mode.log" | tail -40 ;;
-  sweep)
+  sweep|static_sweep)
+    if [ "$mode" = sweep ]; then grid="--rounds 2 --n 1024,2048,4096,8192,16384,32768,65536"
+    else grid="--static --rounds 3 --n 1024,2048,4096,8192"; fi
     for variant in "$@"; do
       case "$variant" in
         key_padding) extra="--mask key_padding" ;;
         gqa4) extra="--gqa 4" ;;
         *) extra="--producer $variant" ;;
       esac
-      python -m sage_compile bench e2e --default-only --rounds 2 --record --n 1024,2048,4096,8192,16384,32768,65536 \
-        $extra 2>&1 | tee "$OUT/sweep_$variant.log" | tail -30
+      python -m sage_compile bench e2e --default-only --record $grid $extra 2>&1 | tee "$OUT/${mode}_$variant.log" | tail -30
     done ;;
   *) echo "unknown mode $mode"; exit 2 ;;
 esac
