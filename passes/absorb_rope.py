@@ -535,15 +535,16 @@ def rope_pair(q: Node, k: Node) -> Optional[Tuple[Rope, Rope]]:
     return rq, rk
 
 
-def fused_producer(q: Node, k: Node, config: SageConfig) -> dict:
-    """What this pass will fuse into the site's prep, as judge_site's ``standalone`` and ``qk_norm``: the earlier
-    passes judge the site's speed with the thresholds of sites like it — none fused (the prep a pass of its own:
-    thresholds.MEASURED_STANDALONE), a rotary, or a rotary after an RMS norm of q or k (thresholds.MEASURED_QK_NORM:
-    the norm's row reduction makes the prep costlier)."""
+def fused_producer(q: Node, k: Node, config: SageConfig) -> str:
+    """What this pass will fuse into the site's prep (thresholds.PRODUCERS), for judge_site's ``producer``: the
+    earlier passes judge the site's speed with the thresholds of sites like it — "none" (the prep a pass of its own),
+    "rotary", or "qk_norm" (a rotary after an RMS norm of q or k)."""
     ropes = None
     if config.fuse_rope and prep.fast_path_reason(value_of(q), value_of(k), config.scheme, None) is None:
         ropes = rope_pair(q, k)
-    return dict(standalone=ropes is None, qk_norm=ropes is not None and any(rope.norm is not None for rope in ropes))
+    if ropes is None:
+        return "none"
+    return "qk_norm" if any(rope.norm is not None for rope in ropes) else "rotary"
 
 
 def absorb_rope(gm: torch.fx.GraphModule, config: SageConfig, report: SiteReport) -> torch.fx.GraphModule:

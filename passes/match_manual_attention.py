@@ -464,7 +464,7 @@ def match_manual_attention(gm: torch.fx.GraphModule, config: SageConfig, report:
         call = AttentionCall(q, k, v, attn_mask=mask, is_causal=bool(match.causal), scale=scale,
                              enable_gqa=match.gqa)
         if not judge_site(report, site_name(node, seen), call, config, "manual", torch.is_grad_enabled(),
-                          **fused_producer(match.q.node, match.k.node, config)):
+                          producer=fused_producer(match.q.node, match.k.node, config)):
             continue
         _replace(gm.graph, match, config)
         changed = True

@@ -60,7 +60,7 @@ def rewrite_sdpa(gm: torch.fx.GraphModule, config: SageConfig, report: SiteRepor
             report.add(describe_site(name, call, PLAN_KEEPS_SDPA, config, "sdpa"))
             continue
         if not judge_site(report, name, call, site_config, "sdpa", torch.is_grad_enabled(),
-                          **fused_producer(args["query"], args["key"], site_config)):
+                          producer=fused_producer(args["query"], args["key"], site_config)):
             continue
         _replace(gm.graph, node, args, site_config)
         changed = True

@@ -79,7 +79,7 @@ def _attention_with_lse_decomposition(q, k, v, attn_mask=None, dropout_p=0.0, sc
         raise ValueError(f"sage_attention(return_lse=True): dropout_p={dropout_p}; the LSE of a dropped-out "
                          "attention is not defined: pass dropout_p=0")
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
-    if _stays_sdpa(call, config, False, standalone=True):
+    if _stays_sdpa(call, config, False, producer="none"):
         return sdpa_with_lse(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # no keys: out 0, lse −inf
         return _no_keys(q), q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
@@ -106,21 +106,22 @@ def _rope_attention_decomposition(xq, xk, v, q_tables, k_tables, attn_mask=None,
     if prep.fast_path_reason(xq, xk, config.scheme, kv_lens) is None and not needs_grad(q, k, v):
         fused = functools.partial(prep.rope_prepare, xq, xk, v, q_tables, k_tables, quant=config.scheme,
                                   interleaved=interleaved, q_norm=q_norm, k_norm=k_norm)
-    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused,
-                         qk_norm=q_norm is not None or k_norm is not None)
+    producer = "none" if fused is None else "qk_norm" if q_norm or k_norm else "rotary"
+    return _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, fused, producer)
 
 
 def _sage_or_sdpa(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, config, kv_lens, prepare=None,
-                  qk_norm=False):
-    """The prep (``prepare(scale)`` when given, else spec.prepare in aten) + sage.quantized_attention where
-    supported and faster — through ``autograd.AttentionFunction`` where an input requires grad; else F.sdpa,
-    reported, or raised with fallback='error'."""
+                  producer="none"):
+    """The prep (``prepare(scale)`` when given — what ``producer`` says it absorbed, thresholds.PRODUCERS —, else
+    spec.prepare in aten) + sage.quantized_attention where supported and faster — through
+    ``autograd.AttentionFunction`` where an input requires grad; else F.sdpa, reported, or raised with
+    fallback='error'."""
     _check_call(q, k, v, causal)
     call = AttentionCall(q, k, v, attn_mask, dropout_p, causal != spec.CAUSAL_NONE, scale, enable_gqa)
     if config.context_parallel:
         reason = unsupported_reason(call, config, torch.is_grad_enabled())
         return _context_parallel(q, k, v, attn_mask, scale, causal, enable_gqa, kv_lens, config, reason)
-    if _stays_sdpa(call, config, torch.is_grad_enabled(), standalone=prepare is None, qk_norm=qk_norm):
+    if _stays_sdpa(call, config, torch.is_grad_enabled(), producer):
         return sdpa_fallback(q, k, v, attn_mask, dropout_p, scale, causal, enable_gqa, kv_lens)
     if statically_known_true(k.shape[-2] == 0):  # SDPA: attention over no keys is 0 (no reduction over 0)
         return _no_keys(q)
@@ -146,12 +147,11 @@ def _check_call(q, k, v, causal) -> None:
         raise ValueError(f"sage.attention: causal={causal}; expected one of {spec.CAUSAL_NAMES}")
 
 
-def _stays_sdpa(call: AttentionCall, config: SageConfig, grad_enabled: bool, standalone: bool,
-                qk_norm: bool = False) -> bool:
-    """Whether the call runs SDPA — sage cannot run it, or SDPA measured faster (``standalone``: with the prep a pass
-    of its own, no producer fused into it; ``qk_norm``: a QK-norm fused into it) — reported (or raised) here."""
+def _stays_sdpa(call: AttentionCall, config: SageConfig, grad_enabled: bool, producer: str) -> bool:
+    """Whether the call runs SDPA — sage cannot run it, or SDPA measured faster (at the thresholds of ``producer``,
+    what the prep absorbed: thresholds.PRODUCERS) — reported (or raised) here."""
     reason = unsupported_reason(call, config, grad_enabled)
-    choice = None if reason is not None else sdpa_is_faster(call, config, standalone, qk_norm)
+    choice = None if reason is not None else sdpa_is_faster(call, config, producer)
     if reason is None and choice is None:
         return False
     report_fallback(reason or choice, config, choice=reason is None)

@@ -55,17 +55,17 @@ def _plan_rung(plan, name: str) -> str:
 
 
 def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_enabled: bool,
-               reason: Optional[str] = None, standalone: bool = True, qk_norm: bool = False) -> bool:
+               reason: Optional[str] = None, producer: str = "none") -> bool:
     """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
-    ``reason`` is a pass's own objection, found before the shared checks; ``standalone``: no producer will be fused
-    into the site's prep, which has its own speed thresholds; ``qk_norm``: the fused producer includes a QK-norm (its
-    own thresholds too) — both as passes/absorb_rope.fused_producer says."""
+    ``reason`` is a pass's own objection, found before the shared checks; ``producer``: what will be fused into the
+    site's prep (thresholds.PRODUCERS, each with its own speed thresholds), as passes/absorb_rope.fused_producer
+    says."""
     from .support import sdpa_is_faster, silent_choice, unsupported_reason
 
     reason = reason or unsupported_reason(call, config, grad_enabled)
     if source == "inductor-sdpa" and getattr(call, "nodes", None):
         report.drop_softmaxes_fused_in(call.nodes[0].graph)
-    choice = sdpa_is_faster(call, config, standalone, qk_norm) if reason is None else None
+    choice = sdpa_is_faster(call, config, producer) if reason is None else None
     report.add(describe_site(name, call, reason or choice, config, source))
     if reason is not None and config.fallback == "error":
         raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}. "

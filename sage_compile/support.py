@@ -146,12 +146,10 @@ def silent_choice(choice: str, config: SageConfig) -> bool:
     return config.min_seq_len is not None or choice.startswith(TRAINING_CHOICE)
 
 
-def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = False,
-                   qk_norm: bool = False) -> Optional[str]:
+def sdpa_is_faster(call: AttentionCall, config: SageConfig, producer: str = "rotary") -> Optional[str]:
     """A speed choice, not a fallback: SDPA is faster for a site that needs a backward (``backward="none"``), or
-    below the key-length threshold (thresholds.py, or
-    ``config.min_seq_len``; ``standalone``: a site whose prep no producer absorbed, with its own table; ``qk_norm``:
-    a site whose fused producer includes a QK-norm, with its own table). A symbolic
+    below the key-length threshold (thresholds.py, or ``config.min_seq_len``; ``producer``: what the site's prep
+    absorbed, thresholds.PRODUCERS, each with its own table). A symbolic
     length is compared too: that guard recompiles at most once, when a dynamic length crosses the threshold."""
     from . import thresholds
 
@@ -163,7 +161,7 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
     if threshold is None:
         padded = spec.padded_head_dim(concrete(call.q.shape[-1]))
         threshold = thresholds.min_seq_len(call.q.device, padded, bool(call.is_causal), config.scheme.k_granularity,
-                                           mask, config.scheme.pv, standalone, compiled=compiled, qk_norm=qk_norm)
+                                           mask, config.scheme.pv, producer, compiled=compiled)
     if not threshold:
         return None
     n_k = call.k.shape[-2]
@@ -174,11 +172,11 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, standalone: bool = F
         source = f"sites with {thresholds.MASK_ROWS_TEXT[thresholds.mask_rows(mask)]}, {measured_on}"
     elif config.scheme.pv == "fp16":
         source = thresholds.MEASURED_PV16_ON
-    elif standalone and compiled:
+    elif producer == "none" and compiled:
         source = f"measured on {thresholds.MEASURED_COMPILED_STANDALONE_ON}"
-    elif standalone:
+    elif producer == "none":
         source = f"measured on {thresholds.MEASURED_STANDALONE_ON}"
-    elif qk_norm:
+    elif producer == "qk_norm":
         source = f"measured on {thresholds.MEASURED_QK_NORM_ON}"
     else:
         source = f"measured on {thresholds.MEASURED_ON}"

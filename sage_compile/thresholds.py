@@ -140,16 +140,23 @@ def mask_rows(mask) -> str:
     return "bool" if mask.dtype == torch.bool else "float"
 
 
+# What a site's prep absorbed: its cost, and so the key length from which sage pays, differs — "none" (the prep a
+# pass of its own), "rotary" (fused into the rotary that made q and k), "qk_norm" (an RMS norm of q or k and then a
+# rotary: the norm's row reduction makes the prep costlier).
+PRODUCERS = ("none", "rotary", "qk_norm")
+
+
 def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_granularity: str = "per_token",
-                mask=None, pv: str = "fp8", standalone: bool = False, compiled: bool = False,
-                qk_norm: bool = False) -> float:
+                mask=None, pv: str = "fp8", producer: str = "rotary", compiled: bool = False) -> float:
     """0 on CPU (the C++ kernel is the exact reference, chosen for exactness, not speed) and for NVFP4 (pv='fp4': not
     measured; on GPUs without FP4 tensor cores an emulation, chosen for its numerics). On CUDA the
     measured sm90 table (pv='fp16': its own, slower kernel, with its own key-padding row; per_thread K: its
-    own, faster kernel; a site with an attn_mask: the masked measurements above; ``standalone``, a site whose prep
-    no producer absorbed: MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``; ``qk_norm``,
-    a fused producer with a QK-norm: MEASURED_QK_NORM); other archs
+    own, faster kernel; a site with an attn_mask: the masked measurements above; ``producer`` (PRODUCERS) "none":
+    MEASURED_STANDALONE eagerly, MEASURED_COMPILED_STANDALONE under ``compiled``; "qk_norm": MEASURED_QK_NORM);
+    other archs
     borrow sm90's entry until measured; unmeasured shapes: 0."""
+    if producer not in PRODUCERS:
+        raise ValueError(f"thresholds.min_seq_len: producer={producer!r}, expected one of {PRODUCERS}")
     if device.type != "cuda" or pv == "fp4":
         return 0
     major = torch.cuda.get_device_capability(device)[0]
@@ -160,13 +167,13 @@ def min_seq_len(device: torch.device, padded_head_dim: int, causal: bool, k_gran
         return _lookup(MEASURED_PV16_KEY_MASK if pv == "fp16" else MEASURED_KEY_MASK, major, padded_head_dim)
     if pv == "fp16":
         return _lookup(MEASURED_PV16, major, padded_head_dim, causal)
-    if standalone and compiled:
+    if producer == "none" and compiled:
         return _lookup(MEASURED_COMPILED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread"
                        else MEASURED_COMPILED_STANDALONE, major, padded_head_dim, causal)
-    if standalone:
+    if producer == "none":
         return _lookup(MEASURED_STANDALONE_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_STANDALONE, major,
                        padded_head_dim, causal)
-    if qk_norm:
+    if producer == "qk_norm":
         return _lookup(MEASURED_QK_NORM_PER_THREAD_K if k_granularity == "per_thread" else MEASURED_QK_NORM, major,
                        padded_head_dim, causal)
     return _lookup(MEASURED_PER_THREAD_K if k_granularity == "per_thread" else MEASURED, major, padded_head_dim, causal)

@@ -445,7 +445,7 @@ def test_the_pass_judges_speed_by_whether_the_rotary_will_be_fused(monkeypatch):
     from sage_compile import thresholds
 
     monkeypatch.setattr(thresholds, "min_seq_len",
-                        lambda *args, compiled, qk_norm: thresholds.NEVER if args[-1] or qk_norm else 0)
+                        lambda *args, compiled: 0 if args[-1] == "rotary" else thresholds.NEVER)
 
     def plain(xq, xk, v, cos, sin):
         return F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), v.transpose(1, 2))

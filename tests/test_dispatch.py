@@ -101,31 +101,30 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
     cuda = torch.device("cuda")
     for key, fused in thresholds.MEASURED.items():
         _, d, causal = key
-        assert thresholds.min_seq_len(cuda, d, causal, standalone=True) == thresholds.MEASURED_STANDALONE[key] >= fused
-        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", standalone=True)
+        assert thresholds.min_seq_len(cuda, d, causal, producer="none") == thresholds.MEASURED_STANDALONE[key] >= fused
+        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", producer="none")
                 == thresholds.MEASURED_STANDALONE_PER_THREAD_K[key] >= thresholds.MEASURED_PER_THREAD_K[key])
         # compiled, the prep is Inductor's fusion of the aten prep: its own table, never earlier than the eager one
         for granularity, table in (("per_token", thresholds.MEASURED_COMPILED_STANDALONE),
                                    ("per_thread", thresholds.MEASURED_COMPILED_STANDALONE_PER_THREAD_K)):
-            assert (thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True, compiled=True) == table[key]
-                    >= thresholds.min_seq_len(cuda, d, causal, granularity, standalone=True))
+            assert (thresholds.min_seq_len(cuda, d, causal, granularity, producer="none", compiled=True) == table[key]
+                    >= thresholds.min_seq_len(cuda, d, causal, granularity, producer="none"))
     seen = []
     monkeypatch.setattr(thresholds, "min_seq_len",
-                        lambda *args, compiled, qk_norm: seen.append((args[-1], compiled)) or 16384)
+                        lambda *args, compiled: seen.append((args[-1], compiled)) or 16384)
     q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
     call = AttentionCall(q, q, q, None, 0.0, False, None, False)
-    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), standalone=True)
-    assert "bench eager" in sdpa_is_faster(call, SageConfig(), standalone=True)
+    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), producer="none")
+    assert "bench eager" in sdpa_is_faster(call, SageConfig(), producer="none")
     with torch._subclasses.FakeTensorMode():  # as a pass sees a compiled site
         fake = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16)
-    assert "bench e2e --producer none" in sdpa_is_faster(AttentionCall(fake, fake, fake), SageConfig(), standalone=True)
-    assert seen == [(True, False), (True, False), (True, True)]
+    assert "bench e2e --producer none" in sdpa_is_faster(AttentionCall(fake, fake, fake), SageConfig(), producer="none")
+    assert seen == [("none", False), ("none", False), ("none", True)]
 
 
 def test_sites_behind_a_qk_norm_read_their_own_thresholds(monkeypatch):
     """A fused producer with a QK-norm (its prep reduces each row before the rotary) has its own table, never earlier
-    than the rotary's alone, for either K granularity; a standalone site reads its own table whatever qk_norm says;
-    and sdpa_is_faster names the measurement it used."""
+    than the rotary's alone, for either K granularity, and sdpa_is_faster names the measurement it used."""
     from sage_compile import SageConfig, thresholds
     from sage_compile.support import AttentionCall, sdpa_is_faster
 
@@ -133,17 +132,15 @@ def test_sites_behind_a_qk_norm_read_their_own_thresholds(monkeypatch):
     cuda = torch.device("cuda")
     for key in thresholds.MEASURED:
         _, d, causal = key
-        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", qk_norm=True)
+        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", producer="qk_norm")
                 == thresholds.MEASURED_QK_NORM_PER_THREAD_K[key] >= thresholds.MEASURED_PER_THREAD_K[key])
-        assert (thresholds.min_seq_len(cuda, d, causal, qk_norm=True)
+        assert (thresholds.min_seq_len(cuda, d, causal, producer="qk_norm")
                 == thresholds.MEASURED_QK_NORM[key] >= max(thresholds.MEASURED[key], thresholds.MEASURED_PER_THREAD_K[key]))
-        assert (thresholds.min_seq_len(cuda, d, causal, "per_thread", standalone=True, qk_norm=True)
-                == thresholds.MEASURED_STANDALONE_PER_THREAD_K[key])
     with torch._subclasses.FakeTensorMode():  # a compiled site on a CUDA device, as a pass sees it
         q = torch.empty(1, 2, 8192, 128, dtype=torch.bfloat16, device="cuda")
     call = AttentionCall(q, q, q, None, 0.0, True, None, False)
-    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), qk_norm=True)
-    assert "qknorm" in sdpa_is_faster(call, SageConfig(), qk_norm=True)
+    assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), producer="qk_norm")
+    assert "qknorm" in sdpa_is_faster(call, SageConfig(), producer="qk_norm")
     assert sdpa_is_faster(call, SageConfig()) is None  # behind a rotary alone: from 8K
 
 
@@ -242,3 +239,10 @@ def test_nvfp4_sites_have_no_threshold(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert thresholds.min_seq_len(torch.device("cuda"), 128, False, pv="fp4") == 0
     assert thresholds.min_seq_len(torch.device("cuda"), 128, False) > 0
+
+
+def test_an_unknown_producer_is_refused():
+    from sage_compile import thresholds
+
+    with pytest.raises(ValueError, match="producer='rope'"):
+        thresholds.min_seq_len(torch.device("cpu"), 128, False, producer="rope")
