@@ -208,12 +208,14 @@ def test_bad_inputs_raise():
         tb.attention_backward(**{**args, "causal": 3})
 
 
-@pytest.mark.parametrize("launch", [(64, 4, 64, 4, 2), (128, 4, 64, 4, 3)], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("launch", [(64, 4, 64, 4, 2, False), (128, 4, 64, 4, 3, False), (128, 8, 128, 4, 2, True)],
+                         ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 2, 4, 5, 8)], ids=lambda c: "-".join(map(str, c)))
 def test_other_program_blocks_match_the_oracle(case, launch):
     """The default launch (launch_config) runs programs of 128 keys (dK/dV) and 128 rows (dQ) at Dp ≤ 128, the
-    64² tiles inside; programs of one tile, or 128 keys with 64 rows, keep the same scale groups and so the same
-    oracle: causal both ways, GQA, kv_lens past a whole program, masks."""
+    64² tiles inside, dK and dV in two launches at Dp 128; programs of one tile, or 128 keys with 64 rows, and dK
+    with dV in one launch or two at any Dp keep the same scale groups and so the same oracle: causal both ways, GQA,
+    kv_lens past a whole program, masks."""
     batch, hq, hkv, n_q, n_k, d, causal, kv_lens, mask, layout = case
     args, _ = make_case(batch, hq, hkv, n_q, n_k, d, causal, kv_lens, mask, seed=sum(case[:6]), layout=layout)
     got = tb.attention_backward(**args, launch=tb.LaunchConfig(*launch))

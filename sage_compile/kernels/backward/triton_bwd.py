@@ -52,25 +52,29 @@ _GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class LaunchConfig(NamedTuple):
-    """How the two kernels are launched: keys per dK/dV program and query rows per dQ program (multiples of the
-    64-element scale groups: the tiles inside stay BLOCK²), warps of each, pipeline stages of both."""
+    """How the kernels are launched: keys per dK/dV program and query rows per dQ program (multiples of the 64-element
+    scale groups: the tiles inside stay BLOCK²), warps of each, pipeline stages of all; ``split``: dK and dV in two
+    launches of the key kernel, each recomputing S and P, so that each holds one [keys, Dp] fp32 accumulator."""
     block_keys: int
     warps_kv: int
     block_rows: int
     warps_q: int
     stages: int
+    split: bool = False
 
 
-def launch_config(padded_head_dim: int) -> LaunchConfig:
-    """Measured on the H100 (bf16, N 4K and 16K, causal and not; keys per dK/dV program 64/128 × rows per dQ program
-    64/128 × warps 4/8 × stages 2/3): 128 keys and 128 rows a program beat 64/64 at every shape — Dp 128 with 8 warps
-    for both and 3 stages (1.18–1.25× the 64/64 launch: each program re-reads Q, dO, K, V half as often), Dp 64 with
-    8 warps for dK/dV (two [128, Dp] fp32 accumulators), 4 for dQ and 2 stages (1.06×). Dp 256 (not measured): 64/64
-    and 8 warps, so that the accumulators keep to ≤ 128 registers a thread."""
+def launch_config(padded_head_dim: int, masked: bool = False) -> LaunchConfig:
+    """Measured on the H100 (bf16, N 4K and 16K, causal and not): programs of 128 keys and 128 rows beat one-tile
+    programs at every shape (each re-reads Q, dO, K, V half as often; keys per program 64/128 × rows 64/128 × warps
+    4/8 × stages 2/3, with the operands then row-major: Dp 128 1.18–1.25×, Dp 64 1.06×). At Dp 128 the key kernel
+    holding both accumulators spills (a 255-register cap); split into a dK and a dV launch it does not, and the pair
+    ran 1.07–1.10× the single launch, 0.90× at Dp 64, where the single one does not spill much. An fp32 attn_mask
+    streams a [keys, rows] fp32 tile per iteration too: 2 stages, as 3 exceed the shared memory at Dp 128. Dp 256
+    (not measured): one-tile programs and 8 warps, so that the accumulators keep to ≤ 128 registers a thread."""
     if padded_head_dim <= 64:
         return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 4, 2)
     if padded_head_dim <= 128:
-        return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 8, 3)
+        return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 8, 2 if masked else 3, split=True)
     return LaunchConfig(BLOCK, 8, BLOCK, 8, 2)
 
 
@@ -111,17 +115,17 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv(
-        DO, DO8, DOS, DSUM, Q, QS, K, KS, V, LSE, KVL, AM, DK, DV,
-        sdo_b, sdo_h, sdo_n, sdo_d, sd8_b, sd8_h, sd8_n, sds_b, sds_h, sds_t, sdl_b, sdl_h,
-        sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h, sv_b, sv_h, sv_n, sv_d,
+        DO, DO8T, DOS, DSUM, Q, QT, QS, K, KS, V, LSE, KVL, AM, DK, DV,
+        sdo_b, sdo_h, sdo_n, sdo_d, sd8_b, sd8_h, sd8_d, sds_b, sds_h, sds_t, sdl_b, sdl_h,
+        sq_b, sq_h, sq_n, sqt_b, sqt_h, sqt_d, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h, sv_b, sv_h, sv_n, sv_d,
         slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         Hkv, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
         HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
-        HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+        HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
     ):
-        """dK, dV of one block of BLOCK_KEYS keys of one (batch, kv head), over query tiles of BLOCK rows (the INT8
+        """dK and/or dV (WANT_DK, WANT_DV) of one block of BLOCK_KEYS keys of one (batch, kv head), over query tiles of BLOCK rows (the INT8
         scale groups: P̂ and Ĥ per key over a tile's rows, so the key block may be any multiple of 16); every tile is
-        computed transposed, [keys, rows]."""
+        computed transposed, [keys, rows]. dV's and dK's B operands, dÔ and Q̂, come K-major (``kmajor``)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hkv
@@ -160,6 +164,7 @@ if triton is not None:
                 row_ok = offs_m < Nq
                 q = tl.load(Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
                             mask=row_ok[:, None], other=0)
+                qt = tl.load(QT + b64 * sqt_b + h64 * sqt_h + offs_d[None, :] * sqt_d + offs_m[:, None])  # padded
                 qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
                 lse2 = tl.load(LSE + b64 * slse_b + h64 * slse_h + offs_m, mask=row_ok, other=float("-inf"))
                 lse2 = lse2 * 1.4426950408889634
@@ -174,40 +179,42 @@ if triton is not None:
                 st = tl.dot(k, tl.trans(q), out_dtype=tl.int32)  # [keys, rows]
                 pt = _scores(st, qs[None, :], ks[:, None], lse2[None, :], am_ptrs, key_ok[:, None] & row_ok[None, :],
                              allowed, HAS_MASK, MASK_IS_BOOL)
-                do = tl.load(DO + b64 * sdo_b + h64 * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
-                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                dpt = tl.dot(v, tl.trans(do))  # dO·Vᵀ transposed: 16-bit operands, fp32 sums
-                dsum = tl.load(DSUM + b64 * sdl_b + h64 * sdl_h + offs_m, mask=row_ok, other=0.0)
-                dst = pt * (dpt - dsum[None, :])
+                if WANT_DV:
+                    # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
+                    p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
+                    do8 = tl.load(DO8T + b64 * sd8_b + h64 * sd8_h + offs_d[None, :] * sd8_d + offs_m[:, None])  # padded
+                    dos = tl.load(DOS + b64 * sds_b + h64 * sds_h + (m0 // BLOCK) * sds_t + offs_d)
+                    dv += _i32_to_f32(tl.dot(p8, do8, out_dtype=tl.int32)) * p_scale[:, None] * dos[None, :]
+                if WANT_DK:
+                    do = tl.load(DO + b64 * sdo_b + h64 * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
+                                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    dpt = tl.dot(v, tl.trans(do))  # dO·Vᵀ transposed: 16-bit operands, fp32 sums
+                    dsum = tl.load(DSUM + b64 * sdl_b + h64 * sdl_h + offs_m, mask=row_ok, other=0.0)
+                    dst = pt * (dpt - dsum[None, :])
+                    # dK_j += δH_j·(Ĥᵀ Q̂), H = dS·δQ_i
+                    ht = dst * qs[None, :]
+                    h8, h_scale = _int8_quantize(ht, tl.max(tl.abs(ht), 1), 1)
+                    dk += _i32_to_f32(tl.dot(h8, qt, out_dtype=tl.int32)) * h_scale[:, None]
 
-                # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
-                p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
-                do8 = tl.load(DO8 + b64 * sd8_b + h64 * sd8_h + offs_m[:, None] * sd8_n + offs_d[None, :],
-                              mask=row_ok[:, None], other=0)
-                dos = tl.load(DOS + b64 * sds_b + h64 * sds_h + (m0 // BLOCK) * sds_t + offs_d)
-                dv += _i32_to_f32(tl.dot(p8, do8, out_dtype=tl.int32)) * p_scale[:, None] * dos[None, :]
-                # dK_j += δH_j·(Ĥᵀ Q̂), H = dS·δQ_i
-                ht = dst * qs[None, :]
-                h8, h_scale = _int8_quantize(ht, tl.max(tl.abs(ht), 1), 1)
-                dk += _i32_to_f32(tl.dot(h8, q, out_dtype=tl.int32)) * h_scale[:, None]
-
-        dk = dk * 0.6931471805599453  # δQ carries log2 e: dk = dK / log2 e
         store = key_ok[:, None] & d_ok[None, :]
-        tl.store(DK + b64 * sdk_b + hk64 * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :], dk, mask=store)
-        tl.store(DV + b64 * sdv_b + hk64 * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :], dv, mask=store)
+        if WANT_DK:  # δQ carries log2 e: dk = dK / log2 e
+            tl.store(DK + b64 * sdk_b + hk64 * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
+                     dk * 0.6931471805599453, mask=store)
+        if WANT_DV:
+            tl.store(DV + b64 * sdv_b + hk64 * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :], dv, mask=store)
 
     @triton.jit
     def _bwd_dq(
-        DO, DSUM, Q, QS, K, KS, KC, KCS, V, LSE, KVL, AM, DQ, scale,
+        DO, DSUM, Q, QS, K, KS, KCT, KCS, V, LSE, KVL, AM, DQ, scale,
         sdo_b, sdo_h, sdo_n, sdo_d, sdl_b, sdl_h, sq_b, sq_h, sq_n, sqs_b, sqs_h, sk_b, sk_h, sk_n, sks_b, sks_h,
-        skc_b, skc_h, skc_n, skcs_b, skcs_h, skcs_t,
+        skc_b, skc_h, skc_d, skcs_b, skcs_h, skcs_t,
         sv_b, sv_h, sv_n, sv_d, slse_b, slse_h, sam_b, sam_h, sam_n, sam_k, sdq_b, sdq_h, sdq_n,
         Hq, GQA, Nq, Nk, head_dim, causal_offset, has_kvl,
         HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     ):
         """dQ of one block of BLOCK_ROWS query rows of one (batch, query head), over key tiles of BLOCK keys (the INT8
-        scale groups: Ĝ per row over a tile's keys)."""
+        scale groups: Ĝ per row over a tile's keys). dQ's B operand, K̂ᶜ, comes K-major (``kmajor``)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hq
@@ -252,8 +259,7 @@ if triton is not None:
             ks = tl.load(KS + b64 * sks_b + hk64 * sks_h + offs_n, mask=key_ok, other=0.0)
             v = tl.load(V + b64 * sv_b + hk64 * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
                         mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-            kc = tl.load(KC + b64 * skc_b + hk64 * skc_h + offs_n[:, None] * skc_n + offs_d[None, :],
-                         mask=key_ok[:, None], other=0)
+            kc = tl.load(KCT + b64 * skc_b + hk64 * skc_h + offs_d[None, :] * skc_d + offs_n[:, None])  # padded
             kcs = tl.load(KCS + b64 * skcs_b + hk64 * skcs_h + (n0 // BLOCK) * skcs_t + offs_d)
             allowed = row_ok[:, None] & (offs_n < n_valid)[None, :]
             if CAUSAL:
@@ -341,6 +347,17 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_
         fail(mask_reason)
 
 
+def kmajor(x8: torch.Tensor) -> torch.Tensor:
+    """An INT8 operand [B, H, N, Dp] that a product sums over N (dV's dÔ, dK's Q̂, dQ's K̂ᶜ) as [B, H, Dp, N']: N
+    contiguous, zero-padded to N' = a multiple of BLOCK. Hopper's 8-bit wgmma reads its B operand K-major only; from
+    [N, Dp] memory Triton transposes each tile into shared memory byte by byte through registers every iteration,
+    while this copy (N·Dp bytes, once) lets the tiles stream straight in, unmasked."""
+    n = x8.shape[-2]
+    out = x8.new_zeros(*x8.shape[:-2], x8.shape[-1], -(-n // BLOCK) * BLOCK)
+    out[..., :n].copy_(x8.transpose(-1, -2))
+    return out
+
+
 def attention_backward(
     grad_out: torch.Tensor,
     do8: torch.Tensor,
@@ -386,32 +403,35 @@ def attention_backward(
     else:
         mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
     causal_offset = n_k - n_q if causal == spec.CAUSAL_BOTTOM_RIGHT else 0
-    launch = launch or launch_config(dp)
+    launch = launch or launch_config(dp, masked=attn_mask is not None)
     if launch.block_keys % BLOCK or launch.block_rows % BLOCK:
         raise ValueError(f"sage attention backward (triton): {launch}: program blocks must be multiples of {BLOCK}")
     flags = dict(HEAD_DP=dp, BLOCK=BLOCK, CAUSAL=causal != spec.CAUSAL_NONE, HAS_MASK=attn_mask is not None,
                  MASK_IS_BOOL=mask_is_bool)
+    do8t, qt, kct = kmajor(do8), kmajor(q), kmajor(kc)
     sdo = grad_out.stride()
     sv = v.stride()
-    if n_k > 0:
+    for want_dk, want_dv in (((True, False), (False, True)) if launch.split else ((True, True),)) if n_k > 0 else ():
         _bwd_dkdv[(triton.cdiv(n_k, launch.block_keys), batch * hkv)](
-            grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, v, lse, kvl, am, dk, dv,
-            sdo[0], sdo[1], sdo[2], sdo[3], do8.stride(0), do8.stride(1), do8.stride(2),
+            grad_out, do8t, do_scale, delta, q, qt, q_scale, k, k_scale, v, lse, kvl, am, dk, dv,
+            sdo[0], sdo[1], sdo[2], sdo[3], do8t.stride(0), do8t.stride(1), do8t.stride(2),
             do_scale.stride(0), do_scale.stride(1), do_scale.stride(2), delta.stride(0), delta.stride(1),
-            q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
+            q.stride(0), q.stride(1), q.stride(2), qt.stride(0), qt.stride(1), qt.stride(2),
+            q_scale.stride(0), q_scale.stride(1),
             k.stride(0), k.stride(1), k.stride(2), k_scale.stride(0), k_scale.stride(1),
             sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             hkv, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
-            num_warps=launch.warps_kv, num_stages=launch.stages, BLOCK_KEYS=launch.block_keys, **flags,
+            num_warps=launch.warps_kv, num_stages=launch.stages, BLOCK_KEYS=launch.block_keys, WANT_DK=want_dk,
+            WANT_DV=want_dv, **flags,
         )
     if n_q > 0:
         _bwd_dq[(triton.cdiv(n_q, launch.block_rows), batch * hq)](
-            grad_out, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kvl, am, dq, float(scale),
+            grad_out, delta, q, q_scale, k, k_scale, kct, kc_scale, v, lse, kvl, am, dq, float(scale),
             sdo[0], sdo[1], sdo[2], sdo[3], delta.stride(0), delta.stride(1),
             q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
             k.stride(0), k.stride(1), k.stride(2), k_scale.stride(0), k_scale.stride(1),
-            kc.stride(0), kc.stride(1), kc.stride(2), kc_scale.stride(0), kc_scale.stride(1), kc_scale.stride(2),
+            kct.stride(0), kct.stride(1), kct.stride(2), kc_scale.stride(0), kc_scale.stride(1), kc_scale.stride(2),
             sv[0], sv[1], sv[2], sv[3], lse.stride(0), lse.stride(1), *am_strides,
             dq.stride(0), dq.stride(1), dq.stride(2),
             hq, hq // hkv, n_q, n_k, d, causal_offset, int(kv_lens is not None),
