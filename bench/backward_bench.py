@@ -120,8 +120,9 @@ def _fwd_bwd(fn, sets, grad_out):
 
 
 def _kernels_fwd_bwd(prepared_sets, grad_out, causal, d):
-    """sage's two kernels alone: sage.quantized_attention, then sage.attention_backward — both preps (the forward's
-    and the backward's dÔ, D) made once per input set beforehand."""
+    """sage's two kernels alone: sage.quantized_attention (with the training forward's scheme), then
+    sage.attention_backward — both preps (the forward's and the backward's dÔ, D, K̂ᶜ) made once per input set
+    beforehand."""
     from sage_compile import spec
 
     def forward(p):
@@ -152,10 +153,12 @@ def _sdpa_call(causal: bool):
 def speed_rows(ns, ds, causals):
     import sage_compile
     from sage_compile import SageConfig, spec
+    from sage_compile.kernels.backward import sage as sage_family
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
     config = SageConfig(min_seq_len=0, backward="sage", fallback="error")
+    forward_scheme = sage_family.forward_scheme(config.scheme)  # what a training forward runs (FP16 PV, smooth V)
     for d in ds:
         heads = SHAPES[d]
         for causal in causals:
@@ -168,9 +171,9 @@ def speed_rows(ns, ds, causals):
                          .requires_grad_() for _ in range(3)] for _ in range(3)]
                 grad_out = torch.randn(batch, heads, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
                 flops = 3.5 * 4 * batch * heads * n * n * d / (2 if causal else 1)
-                row = dict(d=d, n=n, batch=batch, heads=heads, causal=causal)
+                row = dict(d=d, n=n, batch=batch, heads=heads, causal=causal, kernels_scheme=forward_scheme.encode())
                 with torch.no_grad():
-                    prepared = [(spec.prepare(q, k, v, d ** -0.5, config.scheme), k, v) for q, k, v in sets]
+                    prepared = [(spec.prepare(q, k, v, d ** -0.5, forward_scheme), k, v) for q, k, v in sets]
                 columns = {"kernels": _kernels_fwd_bwd(prepared, grad_out, causal, d),
                            "compiled": _fwd_bwd(compiled, sets, grad_out)}
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):

@@ -236,6 +236,9 @@ def backward_section(runs) -> list:
         for r in data["speed"]:
             cells = " | ".join(_f(r.get(f"{c}_tops")) for c in columns)
             lines.append(f"| {r['d']} | {r['n']} | {r['causal']} | {cells} |")
+        if any("kernels_scheme" not in r for r in data["speed"]):
+            lines += ["", "This run's kernels column timed the forward with the default scheme (FP8 P·V), not the "
+                      "training forward's (FP16 P·V, smoothed V): a little faster than what training runs."]
         lines.append("")
     return lines
 
