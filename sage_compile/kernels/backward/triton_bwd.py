@@ -14,8 +14,11 @@ INT8 scale is taken over the same 64 elements as the oracle's:
 * ``_bwd_dkdv``: one program per (key block, batch·kv head). It loops over the GQA group's query heads and their
   query blocks (causal: from the first block that can see the key block; kv_lens: none past it), holds dK and dV
   in fp32 registers and stores them once — the group's sum without atomics or copies of K/V.
+  At Dp 128 it runs twice, once for dK and once for dV (``LaunchConfig.split``: one accumulator each, no spills).
 * ``_bwd_dq``: one program per (query block, batch·query head); loops over the visible key blocks, stores dQ.
-A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, dŜ, Ĥ are 0).
+A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, dŜ, Ĥ are 0). The INT8 operands that a
+product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read K-major, from [Dp, N] copies made per call
+(``kmajor``): Hopper's 8-bit wgmma takes its B operand K-major only.
 
 Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division,
 x̂ = rint(x·(1/δ)) — the product clamped to ±127 (which also keeps it from being contracted into the rint's add of
