@@ -126,9 +126,10 @@ if triton is not None:
         HEAD_DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_KEYS: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr,
     ):
-        """dK and/or dV (WANT_DK, WANT_DV) of one block of BLOCK_KEYS keys of one (batch, kv head), over query tiles of BLOCK rows (the INT8
-        scale groups: P̂ and Ĥ per key over a tile's rows, so the key block may be any multiple of 16); every tile is
-        computed transposed, [keys, rows]. dV's and dK's B operands, dÔ and Q̂, come K-major (``kmajor``)."""
+        """dK and/or dV (WANT_DK, WANT_DV) of one block of BLOCK_KEYS keys of one (batch, kv head), over query
+        tiles of BLOCK rows (the INT8 scale groups: P̂ and Ĥ per key over a tile's rows, so the key block may be any
+        multiple of 16); every tile is computed transposed, [keys, rows]. dV's and dK's B operands, dÔ and Q̂, come
+        K-major (``kmajor``)."""
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hkv
@@ -185,7 +186,8 @@ if triton is not None:
                 if WANT_DV:
                     # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
                     p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
-                    do8 = tl.load(DO8T + b64 * sd8_b + h64 * sd8_h + offs_d[None, :] * sd8_d + offs_m[:, None])  # padded
+                    do8 = tl.load(DO8T + b64 * sd8_b + h64 * sd8_h + offs_d[None, :] * sd8_d  # padded rows
+                                  + offs_m[:, None])
                     dos = tl.load(DOS + b64 * sds_b + h64 * sds_h + (m0 // BLOCK) * sds_t + offs_d)
                     dv += _i32_to_f32(tl.dot(p8, do8, out_dtype=tl.int32)) * p_scale[:, None] * dos[None, :]
                 if WANT_DK:
@@ -217,7 +219,7 @@ if triton is not None:
         HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     ):
         """dQ of one block of BLOCK_ROWS query rows of one (batch, query head), over key tiles of BLOCK keys (the INT8
-        scale groups: Ĝ per row over a tile's keys). dQ's B operand, K̂ᶜ, comes K-major (``kmajor``)."""
+        scale groups: dŜ per row over a tile's keys). dQ's B operand, K̂ᶜ, comes K-major (``kmajor``)."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // Hq
