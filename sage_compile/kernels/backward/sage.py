@@ -21,9 +21,10 @@ def forward_scheme(scheme):
     makes the forward's PV precision the largest term in dQ and dK — larger than the backward's own INT8 products.
     On a real model's attention (SmolLM2-135M's deepest layers, measured with the CPU spec) FP8 PV's error dominated
     dQ and dK, keeping their cosine to fp32 under 0.999, FP16 PV's over; on synthetic channel-biased inputs V's bias
-    did, which smooth_v removes. K per token: K̂ is also an operand of dQ = dŜ·K̂, and with 10σ outliers a 32-key
-    group's shared δK cost dK its 0.999 against fp32 (a CPU study of the spec); per token it holds (bench backward,
-    docs/results: dk ≥ 0.9990 on the outlier mix), N(0,1) and channel bias no worse."""
+    did, which smooth_v removes. K per token: the backward recomputes S from the forward's K̂, and with 10σ outliers
+    a 32-key group's shared δK coarsened S enough to cost dK its 0.999 against fp32 (a CPU study of the spec); per
+    token it holds (bench backward, docs/results: dk ≥ 0.9990 on the outlier mix), N(0,1) and channel bias no worse.
+    (dQ's own K operand is K̂ᶜ, made from the 16-bit k: spec.prepare_backward.)"""
     return scheme.replace(pv="fp16", smooth_v=True, k_granularity="per_token")
 
 
