@@ -422,9 +422,8 @@ def _(q, k, v, attn_mask, scale, causal, enable_gqa, config, step_rungs):
 def backward_prep(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """spec.prepare_backward: (dÔ, δdO, D, K̂ᶜ, δKᶜ) for sage.attention_backward. An opaque op, not aten ops in the
-    graph:
-    Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of it
-    guarded N mod 64), so it is not yet fused into dO's producer."""
+    graph: Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of
+    it guarded N mod 64), so it is not yet fused into dO's producer."""
     return spec.prepare_backward(grad_out, out, k)
 
 

@@ -660,9 +660,9 @@ def quantize_channels_per_tile(x: torch.Tensor):
     BWD_BLOCK consecutive rows — the rows a product sums over, so the scale varies only along its output."""
     n = x.shape[-2]
     tiles = torch.nn.functional.pad(x, (0, 0, 0, (-n) % BWD_BLOCK)).unflatten(-2, (-1, BWD_BLOCK))
-    amax = tiles.abs().amax(dim=-2)  # [B,H,T,Dp]
-    x8, _ = quantize_symmetric(tiles.unsqueeze(-1), amax.unsqueeze(-2).expand(tiles.shape), GRAD_LEVELS)
-    return x8.squeeze(-1).flatten(-3, -2)[..., :n, :].contiguous(), symmetric_delta(amax, GRAD_LEVELS)
+    channels = tiles.transpose(-1, -2)  # [B,H,T,Dp,BWD_BLOCK]: a group per channel of a tile, on the last dim
+    x8, delta = quantize_symmetric(channels, channels.abs().amax(dim=-1), GRAD_LEVELS)
+    return x8.transpose(-1, -2).flatten(-3, -2)[..., :n, :].contiguous(), delta
 
 
 def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor):
