@@ -69,11 +69,11 @@ class LaunchConfig(NamedTuple):
 def launch_config(padded_head_dim: int, masked: bool = False) -> LaunchConfig:
     """Measured on the H100 (bf16, N 4K and 16K, causal and not): programs of 128 keys and 128 rows beat one-tile
     programs at every shape (each re-reads Q, dO, K, V half as often; keys per program 64/128 × rows 64/128 × warps
-    4/8 × stages 2/3, with the operands then row-major: Dp 128 1.18–1.25×, Dp 64 1.06×). At Dp 128 the key kernel
-    holding both accumulators spills (a 255-register cap); split into a dK and a dV launch it does not, and the pair
-    ran 1.07–1.10× the single launch, 0.90× at Dp 64, where the single one does not spill much. An fp32 attn_mask
-    streams a [keys, rows] fp32 tile per iteration too: 2 stages, as 3 exceed the shared memory at Dp 128. Dp 256
-    (not measured): one-tile programs and 8 warps, so that the accumulators keep to ≤ 128 registers a thread."""
+    4/8 × stages 2/3, with the operands then row-major). At Dp 128 the key kernel holding both accumulators spills
+    (a 255-register cap); split into a dK and a dV launch it does not, and the pair ran faster than the single launch
+    — slower at Dp 64, where the single one hardly spills. An fp32 attn_mask streams a [keys, rows] fp32 tile per
+    iteration too: 2 stages, as 3 exceed the shared memory at Dp 128. Dp 256 (not measured): one-tile programs and 8
+    warps, so that the accumulators keep to ≤ 128 registers a thread."""
     if padded_head_dim <= 64:
         return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 4, 2)
     if padded_head_dim <= 128:
