@@ -671,8 +671,8 @@ def prepare_backward(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor)
     operand K̂ᶜ int8 [B,Hkv,Nk,Dp] with δKᶜ fp32 [B,Hkv,ceil(Nk/BWD_BLOCK),Dp]: the 16-bit k less its mean over the
     keys, one scale per channel of each BWD_BLOCK keys). dQ = dS·k is the same for any subtracted mean (every row of
     dS sums to zero); the mean keeps a channel's bias out of its INT8 steps. K̂ᶜ is not the forward's K̂: with one
-    scale per key, a key with an outlier coarsens dQ's product (outlier inputs, D=128, H100: dq cosine 0.9988 at
-    1K–16K keys with the forward's K̂ and δK folded into dS, 0.9990–0.9993 at 1K–32K with K̂ᶜ)."""
+    scale per key, a key with an outlier coarsens dQ's product (outlier inputs, D=128, H100: dq cosine under 0.999
+    with the forward's K̂ and δK folded into dS, 0.9990–0.9993 at 1K–32K keys with K̂ᶜ, docs/results)."""
     d = grad_out.shape[-1]
     go = torch.nn.functional.pad(grad_out.float(), (0, padded_head_dim(d) - d))
     delta = (go[..., :d] * out.float()).sum(dim=-1)

@@ -185,8 +185,8 @@ def outlier_gradients(device, seed=1):
 
 def test_dq_on_outlier_inputs_reaches_0999():
     """dQ multiplies its own per-channel K̂ᶜ (spec.prepare_backward): on outlier inputs at N=1K dq's cosine against
-    fp32 is 0.9993 (bench backward on the H100, docs/results; the forward's per-key K̂ with δK folded into dS gave
-    0.9988). The GPU's rounding differs from the spec's by ~1e-6 (test_matches_oracle): 0.999 holds with room."""
+    fp32 is 0.9993 (bench backward on the H100, docs/results; the forward's per-key K̂ with δK folded into dS stayed
+    under 0.999). The GPU's rounding differs from the spec's by ~1e-6 (test_matches_oracle): 0.999 holds with room."""
     dq, want = outlier_gradients(DEV)
     assert cosine(dq, want) >= 0.999
 
