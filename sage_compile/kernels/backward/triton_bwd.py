@@ -21,8 +21,8 @@ product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read 
 (``kmajor``): Hopper's 8-bit wgmma takes its B operand K-major only.
 
 Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division,
-x̂ = rint(x·(1/δ)) — the product clamped to ±127 (which also keeps it from being contracted into the rint's add of
-1.5·2²³, so it is rounded once, as the spec rounds it). Every int32 dot is an exact integer sum (|x| ≤ 127²·256 <
+x̂ = rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that add (one rounding where the spec
+rounds twice: a step apart where x·(1/δ) lies within ~1e-5 of a half-integer). Every int32 dot is an exact integer sum (|x| ≤ 127²·256 <
 2²²) converted to fp32 exactly by the 1.5·2²³ bit trick. Arithmetic differs from the oracle only by rounding
 (tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64 one, fused multiply-adds in
 S − lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32 accumulation order.
@@ -90,22 +90,29 @@ if triton is not None:
 
     @triton.jit
     def _int8_quantize(x, amax, AXIS: tl.constexpr):
-        """(int8 x̂, δ) of spec.quantize_symmetric(x, amax, 127): δ (one per element of ``amax``, which broadcasts
-        along AXIS) = fma_friendly(max(amax/127, tiny)), x̂ = rint(clamp(x·(1/δ), ±127))."""
+        """(int8 x̂, δ) of spec.quantize_symmetric(x, amax, 127) for finite x: δ (one per element of ``amax``, which
+        broadcasts along AXIS) = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ)) by adding 1.5·2²³. No clamp
+        (|x·(1/δ)| ≤ 127 for finite x), so the compiler may fuse the product into that add: x̂ then differs from the
+        spec's by one step where x·(1/δ) lies within ~1e-5 of a half-integer, which the oracle tests' tolerance
+        covers (spec.quantize_symmetric says the same of its product against the quotient)."""
         delta = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
         delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
         inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
         y = x * tl.expand_dims(inv, AXIS)
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)  # a no-op for finite x (δ ≥ amax/127), but no FMA below
-        # + 1.5·2²³ rounds half to even to an integer; its bits end in the integer's two's complement byte
         return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8), delta
 
     @triton.jit
-    def _scores(dot, qs_rows, ks_keys, lse2, am_ptrs, in_bounds, allowed, HAS_MASK: tl.constexpr,
-                MASK_IS_BOOL: tl.constexpr):
-        """P of one tile (any orientation: every operand comes broadcast to the tile's shape). S = (dot·δQ)·δK as
-        the oracle rounds it, + the attn_mask, −inf where not ``allowed`` (causal, kv_lens, past Nk); P =
-        exp2(S − lse·log2 e), 0 where lse is −inf (also rows past Nq, loaded as −inf)."""
+    def _row_lse2(LSE_ROWS, row_ok):
+        """lse·log2 e of each row, +inf for a row that sees no key (lse −inf) and for rows past Nq: then
+        exp2(S − lse2) is 0 there with no select per score."""
+        lse = tl.load(LSE_ROWS, mask=row_ok, other=float("-inf"))
+        return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+    @triton.jit
+    def _scores(dot, qs_rows, ks_keys, am_ptrs, in_bounds, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr):
+        """S of one tile (any orientation: every operand comes broadcast to the tile's shape): (dot·δQ)·δK as the
+        oracle rounds it, + the attn_mask. The caller sets −inf where causal or kv_lens hide a key, on the tiles
+        where any is hidden, then P = exp2(S − lse2) (``_row_lse2``)."""
         s = _i32_to_f32(dot) * qs_rows * ks_keys
         if HAS_MASK:  # added, as the forward adds it
             if MASK_IS_BOOL:  # bool viewed as uint8: nonzero = attend
@@ -113,8 +120,7 @@ if triton is not None:
                 s += tl.where(keep, 0.0, float("-inf"))
             else:  # fp32, base 2
                 s += tl.load(am_ptrs, mask=in_bounds, other=float("-inf"))
-        s = tl.where(allowed, s, float("-inf"))
-        return tl.where(lse2 == float("-inf"), 0.0, tl.math.exp2(s - lse2))
+        return s
 
     @triton.jit
     def _bwd_dkdv(
@@ -153,6 +159,7 @@ if triton is not None:
         if has_kvl != 0:
             n_valid = tl.minimum(tl.maximum(tl.load(KVL + b).to(tl.int32), 0), Nk)
         key_live = offs_n < n_valid
+        keys_cut = n_lo + BLOCK_KEYS > n_valid  # kv_lens or Nk end inside this block
         m_hi = tl.where(n_lo < n_valid, Nq, 0)  # a key block past kv_lens: no query sees it, dK = dV = 0
         if CAUSAL:  # rows i ≥ j − offset see key j: start at the first query block holding one for key n_lo
             m_lo = (tl.maximum(n_lo - causal_offset, 0) // BLOCK) * BLOCK
@@ -170,19 +177,21 @@ if triton is not None:
                             mask=row_ok[:, None], other=0)
                 qt = tl.load(QT + b64 * sqt_b + h64 * sqt_h + offs_d[None, :] * sqt_d + offs_m[:, None])  # padded
                 qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
-                lse2 = tl.load(LSE + b64 * slse_b + h64 * slse_h + offs_m, mask=row_ok, other=float("-inf"))
-                lse2 = lse2 * 1.4426950408889634
-                allowed = key_live[:, None] & row_ok[None, :]
-                if CAUSAL:
-                    allowed = allowed & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                lse2 = _row_lse2(LSE + b64 * slse_b + h64 * slse_h + offs_m, row_ok)
                 if HAS_MASK:
                     am_ptrs = (AM + b64 * sam_b + h64 * sam_h + offs_m.to(tl.int64)[None, :] * sam_n
                                + offs_n.to(tl.int64)[:, None] * sam_k)
                 else:
                     am_ptrs = AM
                 st = tl.dot(k, tl.trans(q), out_dtype=tl.int32)  # [keys, rows]
-                pt = _scores(st, qs[None, :], ks[:, None], lse2[None, :], am_ptrs, key_ok[:, None] & row_ok[None, :],
-                             allowed, HAS_MASK, MASK_IS_BOOL)
+                st = _scores(st, qs[None, :], ks[:, None], am_ptrs, key_ok[:, None] & row_ok[None, :], HAS_MASK,
+                             MASK_IS_BOOL)
+                if keys_cut or (CAUSAL and n_lo + BLOCK_KEYS - 1 > m0 + causal_offset):  # a key hidden in this tile
+                    allowed = key_live[:, None]
+                    if CAUSAL:
+                        allowed = allowed & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                    st = tl.where(allowed, st, float("-inf"))
+                pt = tl.math.exp2(st - lse2[None, :])
                 if WANT_DV:
                     # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
                     p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
@@ -237,8 +246,7 @@ if triton is not None:
         q = tl.load(Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None],
                     other=0)
         qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
-        lse2 = tl.load(LSE + b64 * slse_b + h64 * slse_h + offs_m, mask=row_ok, other=float("-inf"))
-        lse2 = lse2 * 1.4426950408889634
+        lse2 = _row_lse2(LSE + b64 * slse_b + h64 * slse_h + offs_m, row_ok)
         do = tl.load(DO + b64 * sdo_b + h64 * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :] * sdo_d,
                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         dsum = tl.load(DSUM + b64 * sdl_b + h64 * sdl_h + offs_m, mask=row_ok, other=0.0)
@@ -266,16 +274,19 @@ if triton is not None:
                         mask=key_ok[:, None] & d_ok[None, :], other=0.0)
             kc = tl.load(KCT + b64 * skc_b + hk64 * skc_h + offs_d[None, :] * skc_d + offs_n[:, None])  # padded
             kcs = tl.load(KCS + b64 * skcs_b + hk64 * skcs_h + (n0 // BLOCK) * skcs_t + offs_d)
-            allowed = row_ok[:, None] & (offs_n < n_valid)[None, :]
-            if CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
             if HAS_MASK:
                 am_ptrs = am_rows + offs_n.to(tl.int64)[None, :] * sam_k
             else:
                 am_ptrs = AM
             s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)  # [rows, keys]
-            p = _scores(s, qs[:, None], ks[None, :], lse2[:, None], am_ptrs, row_ok[:, None] & key_ok[None, :],
-                        allowed, HAS_MASK, MASK_IS_BOOL)
+            s = _scores(s, qs[:, None], ks[None, :], am_ptrs, row_ok[:, None] & key_ok[None, :], HAS_MASK,
+                        MASK_IS_BOOL)
+            if n0 + BLOCK > n_valid or (CAUSAL and n0 + BLOCK - 1 > q_lo + causal_offset):  # a key hidden here
+                allowed = (offs_n < n_valid)[None, :]
+                if CAUSAL:
+                    allowed = allowed & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+                s = tl.where(allowed, s, float("-inf"))
+            p = tl.math.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - dsum[:, None])
             # dQ_i += δdS_i·(dŜ K̂ᶜ_j)·δKᶜ_j
