@@ -20,13 +20,13 @@ A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, dŜ, 
 product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read K-major, from [Dp, N] copies made per call
 (``kmajor``): Hopper's 8-bit wgmma takes its B operand K-major only.
 
-Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division,
-x̂ = rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that add (one rounding where the spec
-rounds twice: a step apart where x·(1/δ) lies within ~1e-5 of a half-integer). Every int32 dot is an exact integer sum (|x| ≤ 127²·256 <
-2²²) converted to fp32 exactly by the 1.5·2²³ bit trick. Arithmetic differs from the oracle only by rounding
-(tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64 one, fused multiply-adds in
-S − lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32 accumulation order.
-A P, G or H element within a rounding of an INT8 midpoint may round to the neighbouring step there.
+Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division, x̂ =
+rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that add (one rounding where the spec rounds
+twice: a step apart where x·(1/δ) lies within ~1e-5 of a half-integer). Every int32 dot is an exact integer sum (|x| ≤
+127²·256 < 2²²), converted to fp32 exactly. Arithmetic differs from the oracle only by rounding
+(tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64 one, fused multiply-adds in S −
+lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32 accumulation order.
+A P, dS or H element within a rounding of an INT8 midpoint may round to the neighbouring step there.
 
 NaN/Inf inputs are not specified for the backward (the spec's special-value rules are the forward's); finite
 inputs give finite gradients. Launches go to the current stream and allocate only the outputs.
@@ -85,8 +85,9 @@ if triton is not None:
 
     @triton.jit
     def _i32_to_f32(x):
-        """An int32 dot (|x| < 2²²) as fp32, exactly: the bits x + 0x4B400000 are the float 1.5·2²³ + x."""
-        return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        """An int32 dot (|x| < 2²²) as fp32, exactly: one I2FP on sm90 (the 1.5·2²³ bit trick took an IADD and an
+        FADD)."""
+        return x.to(tl.float32)
 
     @triton.jit
     def _int8_quantize(x, amax, AXIS: tl.constexpr):
