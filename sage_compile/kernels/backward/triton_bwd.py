@@ -176,7 +176,8 @@ if triton is not None:
                 row_ok = offs_m < Nq
                 q = tl.load(Q + b64 * sq_b + h64 * sq_h + offs_m[:, None] * sq_n + offs_d[None, :],
                             mask=row_ok[:, None], other=0)
-                qt = tl.load(QT + b64 * sqt_b + h64 * sqt_h + offs_d[None, :] * sqt_d + offs_m[:, None])  # padded
+                qt = tl.load(QT + b64 * sqt_b + h64 * sqt_h + offs_d[None, :] * sqt_d + offs_m[:, None],
+                             mask=row_ok[:, None], other=0)
                 qs = tl.load(QS + b64 * sqs_b + h64 * sqs_h + offs_m, mask=row_ok, other=0.0)
                 lse2 = _row_lse2(LSE + b64 * slse_b + h64 * slse_h + offs_m, row_ok)
                 if HAS_MASK:
@@ -196,8 +197,8 @@ if triton is not None:
                 if WANT_DV:
                     # dV_j += δP_j·δdO·(P̂ᵀ dÔ): P ≥ 0, so its amax is its max
                     p8, p_scale = _int8_quantize(pt, tl.max(pt, 1), 1)
-                    do8 = tl.load(DO8T + b64 * sd8_b + h64 * sd8_h + offs_d[None, :] * sd8_d  # padded rows
-                                  + offs_m[:, None])
+                    do8 = tl.load(DO8T + b64 * sd8_b + h64 * sd8_h + offs_d[None, :] * sd8_d + offs_m[:, None],
+                                  mask=row_ok[:, None], other=0)
                     dos = tl.load(DOS + b64 * sds_b + h64 * sds_h + (m0 // BLOCK) * sds_t + offs_d)
                     dv += _i32_to_f32(tl.dot(p8, do8, out_dtype=tl.int32)) * p_scale[:, None] * dos[None, :]
                 if WANT_DK:
@@ -273,7 +274,8 @@ if triton is not None:
             ks = tl.load(KS + b64 * sks_b + hk64 * sks_h + offs_n, mask=key_ok, other=0.0)
             v = tl.load(V + b64 * sv_b + hk64 * sv_h + offs_n[:, None] * sv_n + offs_d[None, :] * sv_d,
                         mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-            kc = tl.load(KCT + b64 * skc_b + hk64 * skc_h + offs_d[None, :] * skc_d + offs_n[:, None])  # padded
+            kc = tl.load(KCT + b64 * skc_b + hk64 * skc_h + offs_d[None, :] * skc_d + offs_n[:, None],
+                         mask=key_ok[:, None], other=0)
             kcs = tl.load(KCS + b64 * skcs_b + hk64 * skcs_h + (n0 // BLOCK) * skcs_t + offs_d)
             if HAS_MASK:
                 am_ptrs = am_rows + offs_n.to(tl.int64)[None, :] * sam_k
@@ -355,7 +357,8 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_
                 fail(f"{name}.dtype={t.dtype}, expected {' or '.join(map(str, dtypes))}")
     if v.dtype != grad_out.dtype:
         fail(f"v ({v.dtype}) and grad_out ({grad_out.dtype}) must share a dtype: dP = dO·Vᵀ is one 16-bit dot")
-    for name in ("do8", "q", "k", "kc", "do_scale", "kc_scale"):  # int8 dot operands, δdO, δKᶜ: unit channel stride
+    # the operands read row by row (dÔ and K̂ᶜ are read K-major, through ``kmajor``), δdO, δKᶜ: unit channel stride
+    for name in ("q", "k", "do_scale", "kc_scale"):
         t = tensors[name]
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             fail(f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
@@ -365,13 +368,16 @@ def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_
 
 
 def kmajor(x8: torch.Tensor) -> torch.Tensor:
-    """An INT8 operand [B, H, N, Dp] that a product sums over N (dV's dÔ, dK's Q̂, dQ's K̂ᶜ) as [B, H, Dp, N']: N
-    contiguous, zero-padded to N' = a multiple of BLOCK. Hopper's 8-bit wgmma reads its B operand K-major only; from
-    [N, Dp] memory Triton transposes each tile into shared memory byte by byte through registers every iteration,
-    while this copy (N·Dp bytes, once) lets the tiles stream straight in, unmasked."""
+    """An INT8 operand [B, H, N, Dp] that a product sums over N (dV's dÔ, dK's Q̂, dQ's K̂ᶜ) as a [B, H, Dp, N] view
+    with N contiguous: x8's own memory where it is laid out so (the backward prep's dÔ and K̂ᶜ, prep_triton), else a
+    copy, its rows padded to a multiple of BLOCK so that every channel starts 16-byte aligned. Hopper's 8-bit wgmma
+    reads its B operand K-major only; from [N, Dp] memory Triton transposes each tile into shared memory byte by
+    byte through registers every iteration, while K-major tiles stream straight in."""
+    if x8.stride(-2) == 1:
+        return x8.transpose(-1, -2)
     n = x8.shape[-2]
-    out = x8.new_zeros(*x8.shape[:-2], x8.shape[-1], -(-n // BLOCK) * BLOCK)
-    out[..., :n].copy_(x8.transpose(-1, -2))
+    out = x8.new_empty(*x8.shape[:-2], x8.shape[-1], -(-n // BLOCK) * BLOCK)[..., :n]
+    out.copy_(x8.transpose(-1, -2))
     return out
 
 
