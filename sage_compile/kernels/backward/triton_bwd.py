@@ -124,6 +124,19 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _kmajor_copy(X, Y, sx_b, sx_h, sx_n, sy_b, sy_h, sy_d, H, N, HEAD_DP: tl.constexpr, BLOCK: tl.constexpr):
+        """Y[b, h, :, rows] = X[b, h, rows, :]ᵀ for one BLOCK-row tile of int8 X (channels contiguous)."""
+        pid_t = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b64 = (pid_bh // H).to(tl.int64)
+        h64 = (pid_bh % H).to(tl.int64)
+        offs_n = pid_t * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, HEAD_DP)
+        rows = (offs_n < N)[:, None]
+        x = tl.load(X + b64 * sx_b + h64 * sx_h + offs_n.to(tl.int64)[:, None] * sx_n + offs_d[None, :], mask=rows)
+        tl.store(Y + b64 * sy_b + h64 * sy_h + offs_d[None, :] * sy_d + offs_n[:, None], x, mask=rows)
+
+    @triton.jit
     def _bwd_dkdv(
         DO, DO8T, DOS, DSUM, Q, QT, QS, K, KS, V, LSE, KVL, AM, DK, DV,
         sdo_b, sdo_h, sdo_n, sdo_d, sd8_b, sd8_h, sd8_d, sds_b, sds_h, sds_t, sdl_b, sdl_h,
@@ -375,9 +388,14 @@ def kmajor(x8: torch.Tensor) -> torch.Tensor:
     byte through registers every iteration, while K-major tiles stream straight in."""
     if x8.stride(-2) == 1:
         return x8.transpose(-1, -2)
-    n = x8.shape[-2]
-    out = x8.new_empty(*x8.shape[:-2], x8.shape[-1], -(-n // BLOCK) * BLOCK)[..., :n]
-    out.copy_(x8.transpose(-1, -2))
+    batch, heads, n, dp = x8.shape
+    out = x8.new_empty(batch, heads, dp, -(-n // BLOCK) * BLOCK)[..., :n]
+    if x8.stride(-1) != 1 or dp not in SUPPORTED_HEAD_DIMS:
+        return out.copy_(x8.transpose(-1, -2))
+    if n and batch * heads:  # a tiled transpose: torch's strided copy ran at a tenth of the bandwidth (H100)
+        _kmajor_copy[(triton.cdiv(n, BLOCK), batch * heads)](
+            x8, out, x8.stride(0), x8.stride(1), x8.stride(2), out.stride(0), out.stride(1), out.stride(2), heads, n,
+            HEAD_DP=dp, BLOCK=BLOCK)
     return out
 
 
