@@ -425,18 +425,18 @@ def backward_prep(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor
     graph: Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of
     it guarded N mod 64), so it is not yet fused into dO's producer. On CUDA its Triton kernels, which return dÔ and
     K̂ᶜ K-major (kernels/backward/prep_triton.py)."""
-    if grad_out.device.type == "cuda":
-        from .kernels.backward import prep_triton
+    from .kernels.backward import prep_triton
 
+    if prep_triton.runs_on(grad_out.device):
         return prep_triton.prepare_backward(grad_out, out, k)
     return spec.prepare_backward(grad_out, out, k)
 
 
 @torch.library.register_fake("sage::backward_prep")
 def _(grad_out, out, k):
-    if grad_out.device.type == "cuda":
-        from .kernels.backward import prep_triton
+    from .kernels.backward import prep_triton
 
+    if prep_triton.runs_on(grad_out.device):
         return prep_triton.prepare_backward_fake(grad_out, k)
     batch, heads, n, d = grad_out.shape
     hkv, n_k, dp = k.shape[1], k.shape[2], spec.padded_head_dim(d)

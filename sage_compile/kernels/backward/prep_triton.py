@@ -70,6 +70,11 @@ if triton is not None:
         tl.store(XS + b64 * ss_b + h64 * ss_h + pid_t * ss_t + offs_d, delta)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether sage::backward_prep runs these kernels on ``device`` (CUDA with Triton), else spec.prepare_backward."""
+    return device.type == "cuda" and triton is not None
+
+
 def _kmajor_buffer(batch, heads, n, dp, device):
     return torch.empty(batch, heads, dp, triton.cdiv(n, BLOCK) * BLOCK, dtype=torch.int8, device=device)
 
