@@ -62,7 +62,7 @@ if triton is not None:
             x = tl.where(ok, tl.where(finite, x, 0.0) - mean[None, :], 0.0)
         amax = tl.max(tl.abs(x), 0)  # max ignores NaN: a channel holding one gets amax NaN, as in the spec
         amax = tl.where(tl.max((x != x).to(tl.int32), 0) > 0, float("nan"), amax)
-        x8, delta = _int8_quantize(x, amax, 0)
+        x8, delta = _int8_quantize(x, amax, 0, EXACT=True)
         finite_amax = amax < float("inf")
         x8 = tl.where(finite_amax[None, :], x8, 0)
         delta = tl.where(finite_amax, delta, float("nan"))

@@ -90,16 +90,19 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def _int8_quantize(x, amax, AXIS: tl.constexpr):
+    def _int8_quantize(x, amax, AXIS: tl.constexpr, EXACT: tl.constexpr = False):
         """(int8 x̂, δ) of spec.quantize_symmetric(x, amax, 127) for finite x: δ (one per element of ``amax``, which
-        broadcasts along AXIS) = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ)) by adding 1.5·2²³. No clamp
-        (|x·(1/δ)| ≤ 127 for finite x), so the compiler may fuse the product into that add: x̂ then differs from the
-        spec's by one step where x·(1/δ) lies within ~1e-5 of a half-integer, which the oracle tests' tolerance
-        covers (spec.quantize_symmetric says the same of its product against the quotient)."""
+        broadcasts along AXIS) = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ)) by adding 1.5·2²³. The
+        products' operands skip the clamp (|x·(1/δ)| ≤ 127 for finite x), so the compiler may fuse the product into
+        that add: x̂ then differs from the spec's by one step where x·(1/δ) lies within ~1e-5 of a half-integer, which
+        the oracle tests' tolerance covers. EXACT (the prep, whose outputs are the spec's to the bit): clamped, which
+        keeps the product from being fused, so it is rounded twice, as the spec rounds it."""
         delta = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
         delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
         inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
         y = x * tl.expand_dims(inv, AXIS)
+        if EXACT:
+            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         return (y + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8), delta
 
     @triton.jit
