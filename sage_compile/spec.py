@@ -181,6 +181,8 @@ def check_k_thread_groups(k_scale: torch.Tensor) -> None:
 def quantize_symmetric(x: torch.Tensor, amax: torch.Tensor, levels: int):
     """x̂ = clamp(round_half_even(x·(1/δ)), ±levels), δ = fma_friendly(max(amax/levels, tiny)); returns (int8 x̂,
     fp32 δ). Every fp32 operation rounds once: amax/levels and 1/δ are IEEE divisions, x·(1/δ) one rounded product.
+    These are the bits on the CPU: torch on CUDA divides by a Python number as a product with its reciprocal, which
+    can move δ one ``fma_friendly`` step, so the kernels' tests take the spec on the CPU.
 
     The product with the rounded reciprocal (rather than the quotient x/δ) is what a kernel computes in two
     instructions — mul, then add 1.5·2²³, whose ulp of 1 makes the add the rint — where matching the IEEE
