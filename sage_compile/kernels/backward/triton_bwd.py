@@ -66,18 +66,19 @@ class LaunchConfig(NamedTuple):
     split: bool = False
 
 
-def launch_config(padded_head_dim: int, masked: bool = False) -> LaunchConfig:
-    """Measured on the H100 (bf16, N 4K and 16K, causal and not): programs of 128 keys and 128 rows beat one-tile
-    programs at every shape (each re-reads Q, dO, K, V half as often; keys per program 64/128 × rows 64/128 × warps
-    4/8 × stages 2/3, with the operands then row-major). At Dp 128 the key kernel holding both accumulators spills
-    (a 255-register cap); split into a dK and a dV launch it does not, and the pair ran faster than the single launch
-    — slower at Dp 64, where the single one hardly spills. An fp32 attn_mask streams a [keys, rows] fp32 tile per
-    iteration too: 2 stages, as 3 exceed the shared memory at Dp 128. Dp 256 (not measured): one-tile programs and 8
-    warps, so that the accumulators keep to ≤ 128 registers a thread."""
+def launch_config(padded_head_dim: int) -> LaunchConfig:
+    """Measured on the H100 (bf16, N 4K and 16K, causal and not; dÔ, Q̂ and K̂ᶜ read K-major): dK/dV programs of
+    one 64-key tile with 4 warps and dQ programs of 128 rows won a sweep of keys 64/128 × warps 4/8 × warps of dQ
+    4/8 × stages 2/3 × split or not (128-key programs had won while the operands were read row-major). At Dp 128 the
+    key kernel holding both accumulators spills (a 255-register cap); split into a dK and a dV launch it does not,
+    and the pair runs faster than the single launch — slower at Dp 64, where the single one hardly spills. Two
+    stages: three were slower with 64-key programs, and an fp32 attn_mask's [keys, rows] tile leaves no room for a
+    third at Dp 128. Dp 256 (not measured): one-tile programs and 8 warps, so that the accumulators keep to ≤ 128
+    registers a thread."""
     if padded_head_dim <= 64:
-        return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 4, 2)
+        return LaunchConfig(BLOCK, 4, 2 * BLOCK, 4, 2)
     if padded_head_dim <= 128:
-        return LaunchConfig(2 * BLOCK, 8, 2 * BLOCK, 8, 2 if masked else 3, split=True)
+        return LaunchConfig(BLOCK, 4, 2 * BLOCK, 8, 2, split=True)
     return LaunchConfig(BLOCK, 8, BLOCK, 8, 2)
 
 
@@ -395,7 +396,7 @@ def kmajor(x8: torch.Tensor) -> torch.Tensor:
     out = x8.new_empty(batch, heads, dp, -(-n // BLOCK) * BLOCK)[..., :n]
     if x8.stride(-1) != 1 or dp not in SUPPORTED_HEAD_DIMS:
         return out.copy_(x8.transpose(-1, -2))
-    if n and batch * heads:  # a tiled transpose: torch's strided copy ran at a tenth of the bandwidth (H100)
+    if n and batch * heads:  # a tiled transpose: torch's strided copy moves the bytes one by one across rows
         _kmajor_copy[(triton.cdiv(n, BLOCK), batch * heads)](
             x8, out, x8.stride(0), x8.stride(1), x8.stride(2), out.stride(0), out.stride(1), out.stride(2), heads, n,
             HEAD_DP=dp, BLOCK=BLOCK)
@@ -447,7 +448,7 @@ def attention_backward(
     else:
         mask_is_bool, am, am_strides = False, dummy, (0, 0, 0, 0)
     causal_offset = n_k - n_q if causal == spec.CAUSAL_BOTTOM_RIGHT else 0
-    launch = launch or launch_config(dp, masked=attn_mask is not None)
+    launch = launch or launch_config(dp)
     if launch.block_keys % BLOCK or launch.block_rows % BLOCK:
         raise ValueError(f"sage attention backward (triton): {launch}: program blocks must be multiples of {BLOCK}")
     flags = dict(HEAD_DP=dp, BLOCK=BLOCK, CAUSAL=causal != spec.CAUSAL_NONE, HAS_MASK=attn_mask is not None,
