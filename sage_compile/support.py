@@ -146,7 +146,7 @@ def silent_choice(choice: str, config: SageConfig) -> bool:
     return config.min_seq_len is not None or choice.startswith(TRAINING_CHOICE)
 
 
-def sdpa_is_faster(call: AttentionCall, config: SageConfig, producer: str = "rotary") -> Optional[str]:
+def sdpa_is_faster(call: AttentionCall, config: SageConfig, producer: str) -> Optional[str]:
     """A speed choice, not a fallback: SDPA is faster for a site that needs a backward (``backward="none"``), or
     below the key-length threshold (thresholds.py, or ``config.min_seq_len``; ``producer``: what the site's prep
     absorbed, thresholds.PRODUCERS, each with its own table). A symbolic

@@ -141,7 +141,7 @@ def test_sites_behind_a_qk_norm_read_their_own_thresholds(monkeypatch):
     call = AttentionCall(q, q, q, None, 0.0, True, None, False)
     assert "8192 < 16384" in sdpa_is_faster(call, SageConfig(), producer="qk_norm")
     assert "qknorm" in sdpa_is_faster(call, SageConfig(), producer="qk_norm")
-    assert sdpa_is_faster(call, SageConfig()) is None  # behind a rotary alone: from 8K
+    assert sdpa_is_faster(call, SageConfig(), producer="rotary") is None  # behind a rotary alone: from 8K
 
 
 def test_thresholds_of_masked_sites(monkeypatch):
@@ -177,9 +177,9 @@ def test_masked_threshold_reasons_name_the_mask(monkeypatch):
     for mask, words in ((torch.zeros(1, 1, 1024, 1024), "every key length for this mask"),
                         (torch.ones(1, 1, 1, 1024, dtype=torch.bool), "key length 1024 < 4096 (sites with a mask "
                                                                       "shared by all queries")):
-        reason = sdpa_is_faster(AttentionCall(q, q, q, attn_mask=mask), SageConfig())
+        reason = sdpa_is_faster(AttentionCall(q, q, q, attn_mask=mask), SageConfig(), producer="rotary")
         assert words in reason and "bench e2e --mask" in reason, reason
-    assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig())
+    assert "measured on H100" in sdpa_is_faster(AttentionCall(q, q, q), SageConfig(), producer="rotary")
 
 
 def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
@@ -201,14 +201,16 @@ def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     real = thresholds.min_seq_len
     monkeypatch.setattr(thresholds, "min_seq_len", lambda device, *a, **k: real(cuda, *a, **k))
     q = torch.empty(1, 2, 32768, 128, device="meta")
-    reason = sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16"))
+    reason = sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16"), producer="rotary")
     assert "every key length for this pv" in reason and "pv='fp16' measured on the H100" in reason, reason
-    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16", min_seq_len=0)) is None
-    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig()) is None  # fp8 at 32K: sage
+    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig(pv="fp16", min_seq_len=0), producer="rotary") is None
+    assert sdpa_is_faster(AttentionCall(q, q, q), SageConfig(), producer="rotary") is None  # fp8 at 32K: sage
     padded = torch.ones(1, 1, 1, 32768, dtype=torch.bool)
-    assert sdpa_is_faster(AttentionCall(q, q, q, attn_mask=padded), SageConfig(pv="fp16")) is None  # ≥ 16K
+    padded_call = AttentionCall(q, q, q, attn_mask=padded)
+    assert sdpa_is_faster(padded_call, SageConfig(pv="fp16"), producer="rotary") is None  # ≥ 16K
     short = torch.empty(1, 2, 4096, 128, device="meta")
-    reason = sdpa_is_faster(AttentionCall(short, short, short, attn_mask=padded[..., :4096]), SageConfig(pv="fp16"))
+    reason = sdpa_is_faster(AttentionCall(short, short, short, attn_mask=padded[..., :4096]), SageConfig(pv="fp16"),
+                            producer="rotary")
     assert "key length 4096 < 16384" in reason and "pv='fp16' measured" in reason, reason
 
 
