@@ -107,7 +107,7 @@ class BuildExt(build_ext):
 ext_modules = [
     Pybind11Extension(
         "sage_compile._C",
-        ["csrc/cpu/reference.cpp"],
+        ["csrc/cpu/reference.cpp", "csrc/cpu/backward.cpp"],
         cxx_std=17,
         extra_compile_args=cpu_flags,
         extra_link_args=["-fopenmp"],

@@ -361,7 +361,8 @@ def attention_backward(
     attn_mask: Optional[torch.Tensor], causal: int, scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 8-bit backward's products (spec.attention_backward_reference says what each argument holds): returns
-    (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32, D = v's head dim. Triton on CUDA, the spec elsewhere."""
+    (dq [B,Hq,Nq,D], dk [B,Hkv,Nk,D], dv [B,Hkv,Nk,D]) fp32, D = v's head dim. Triton on CUDA, C++ on the CPU
+    (backward.products)."""
     grads = backward_kernels.products(q.device)(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale,
                                                 v, lse, kv_lens, attn_mask, causal, scale)
     return tuple(g.contiguous() for g in grads)

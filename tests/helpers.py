@@ -1,4 +1,6 @@
 """Shared test helpers: comparisons and input generators (never zeros)."""
+import math
+
 import torch
 from hypothesis import strategies as st
 
@@ -27,6 +29,39 @@ def random_qkv(batch, hq, hkv, n_q, n_k, d, dtype=torch.bfloat16, seed=0, layout
 
     channel_bias = k_bias * torch.linspace(-1, 1, d)
     return make(hq, n_q), make(hkv, n_k, channel_bias), make(hkv, n_k)
+
+
+def random_masking(kind, batch, n_q, n_k, dtype, seed, every_row_sees_a_key=True):
+    """(kv_lens, attn_mask) for ``kind`` None, "kv_lens" (int32 [B], from 1 key — from 0 unless every row must see
+    one), "bool" or "additive" (a random [B, 1, Nq, Nk] mask keeping 70% of the keys — every row's first one too
+    where every row must see a key; additive: 0 / −inf in ``dtype``)."""
+    if kind is None:
+        return None, None
+    g = torch.Generator().manual_seed(seed)
+    if kind == "kv_lens":
+        return torch.randint(1 if every_row_sees_a_key else 0, n_k + 1, (batch,), dtype=torch.int32, generator=g), None
+    keep = torch.rand(batch, 1, n_q, n_k, generator=g) > 0.3
+    if every_row_sees_a_key:
+        keep[..., 0] = True
+    return None, keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -math.inf).to(dtype)
+
+
+def backward_args(q, k, v, grad_out, causal=0, kv_lens=None, attn_mask=None, scale=None):
+    """sage::attention_backward's arguments (spec.attention_backward_reference's, by name), from the spec end to end:
+    prepare (the sage backward family's forward scheme) → forward reference (out, lse) → prepare_backward."""
+    from sage_compile import spec
+    from sage_compile.kernels.backward import sage as sage_family
+    from sage_compile.scheme import Scheme
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p = spec.prepare(q, k, v, scale, sage_family.forward_scheme(Scheme()), kv_lens)
+    mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
+    out, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
+                                                  kv_lens, mask, causal, q.shape[-1], q.dtype, p.scheme)
+    do8, do_scale, delta, kc, kc_scale = spec.prepare_backward(grad_out, out, k)
+    return dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=p.q, q_scale=p.q_scale, k=p.k,
+                k_scale=p.k_scale, kc=kc, kc_scale=kc_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=mask,
+                causal=causal, scale=scale)
 
 
 @st.composite

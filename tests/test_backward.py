@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import SelfAttention, attention_shapes, cosine, random_qkv, rel_l1
+from helpers import SelfAttention, attention_shapes, backward_args, cosine, random_masking, random_qkv, rel_l1
 from sage_compile import SageConfig, ops, sage_attention, spec  # noqa: F401 (ops registers sage::*)
-from sage_compile.kernels.backward import sage as sage_family
 from sage_compile.scheme import Scheme
 
 SAGE_BWD = SageConfig(min_seq_len=0, backward="sage", fallback="error")
@@ -27,14 +26,7 @@ def _exact_grads(q, k, v, grad_out, **kwargs):
 def _spec_grads(q, k, v, grad_out, scale=None, causal=spec.CAUSAL_NONE, kv_lens=None, attn_mask=None):
     """The spec end to end in fp32: prepare (the sage family's forward scheme) → forward reference (out, lse) →
     prepare_backward → backward."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p = spec.prepare(q, k, v, scale, sage_family.forward_scheme(Scheme()), kv_lens)
-    mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
-    out, lse = spec.quantized_attention_reference(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
-                                                  kv_lens, mask, causal, q.shape[-1], q.dtype, p.scheme)
-    do8, do_scale, delta, kc, kc_scale = spec.prepare_backward(grad_out, out, k)
-    return spec.attention_backward_reference(grad_out, do8, do_scale, delta, p.q, p.q_scale, p.k, p.k_scale, kc,
-                                             kc_scale, v, lse, kv_lens, mask, causal, scale)
+    return spec.attention_backward_reference(**backward_args(q, k, v, grad_out, causal, kv_lens, attn_mask, scale))
 
 
 @settings(deadline=None, max_examples=30)
@@ -48,14 +40,8 @@ def test_gradients_match_exact_attention(shape, seed, causal, scale, masked):
     q, k, v = random_qkv(**shape, seed=seed, k_bias=1.0)
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    kv_lens = mask = None
-    if masked == "kv_lens":
-        kv_lens = torch.randint(1, n_k + 1, (q.shape[0],), dtype=torch.int32,
-                                generator=torch.Generator().manual_seed(seed))
-    elif masked is not None:
-        keep = torch.rand(q.shape[0], 1, n_q, n_k, generator=torch.Generator().manual_seed(seed)) > 0.3
-        keep[..., 0] = True  # every row sees a key (a row that sees none has gradient 0 — tested separately)
-        mask = keep if masked == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -math.inf).to(q.dtype)
+    # every row sees a key (a row that sees none has gradient 0 — tested separately)
+    kv_lens, mask = random_masking(masked, q.shape[0], n_q, n_k, q.dtype, seed)
     causal = causal if mask is None else spec.CAUSAL_NONE
     if causal == spec.CAUSAL_BOTTOM_RIGHT and n_q > n_k or kv_lens is not None and causal:
         causal = spec.CAUSAL_NONE  # rows without keys: their SDPA gradient is NaN, ours 0

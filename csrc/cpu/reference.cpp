@@ -4,53 +4,24 @@
 // loop with its operands decoded to double (code × E4M3 block scale: both products exact, see spec.py).
 //
 // Not linked against libtorch on purpose (no ABI coupling): every tensor arrives from Python as
-// (data_ptr, dtype name, element strides); sizes come separately. Python validates shapes and dtypes;
-// this file checks only what it needs to stay memory safe.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <vector>
-
-namespace py = pybind11;
+// (data_ptr, dtype name, element strides: common.h); sizes come separately. Python validates shapes and
+// dtypes; this file checks only what it needs to stay memory safe. The module also holds the backward
+// (backward.cpp).
+#include "common.h"
 
 namespace {
 
-// For everything the kernel calls per element: inlined into attend_rows, each target clone compiles
-// it for its own instruction set (an outlined copy would be the baseline x86-64 one).
-#define HOT [[gnu::always_inline]] inline
+using namespace sage_cpu;
 
 constexpr float kPScale = 448.0f;  // spec.P_SCALE
 constexpr float kE4M3Max = 448.0f;
 constexpr float kFp4Max = 6.0f;  // spec.FP4_MAX
 constexpr float kFp4Range = 2688.0f;  // spec.FP4_RANGE = 448 · 6
 constexpr int64_t kFp4Block = 16;  // spec.FP4_BLOCK
-constexpr double kLog2e = 1.4426950408889634;  // spec.LOG2E, as the Python float
-constexpr float kInf = std::numeric_limits<float>::infinity();
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ------------------------------------------------------------------------------------------------
 // Narrow floating-point formats, rounded exactly like torch's Tensor.to().
 // ------------------------------------------------------------------------------------------------
-HOT uint32_t float_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits;
-}
-
-HOT float bits_float(uint32_t bits) {
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
 
 // Encoding of an output dtype (bf16 or fp16).
 struct OutFormat {
@@ -102,32 +73,12 @@ float e4m3_value(uint32_t code) {
   return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
 }
 
-float f16_value(uint32_t code) {
-  const float sign = (code & 0x8000) ? -1.0f : 1.0f;
-  const int exp = (code >> 10) & 0x1F;
-  const int mant = code & 0x3FF;
-  if (exp == 0x1F) return mant ? kNaN : sign * kInf;
-  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -24);
-  return sign * std::ldexp(static_cast<float>(1024 + mant), exp - 25);
-}
-
-// Decoding V is per element of every key block, hence tables (fp16's is 256 KiB, built once).
-template <int N>
-std::vector<float> decode_table(float (*value)(uint32_t)) {
-  std::vector<float> table(N);
-  for (uint32_t code = 0; code < N; ++code) table[code] = value(code);
-  return table;
-}
 
 const std::vector<float>& e4m3_table() {
   static const std::vector<float> table = decode_table<256>(e4m3_value);
   return table;
 }
 
-const std::vector<float>& f16_table() {
-  static const std::vector<float> table = decode_table<65536>(f16_value);
-  return table;
-}
 
 // The PV operand type (V̂ and P̂): e4m3fn or fp16.
 struct PvFormat {
@@ -183,52 +134,6 @@ HOT float nvfp4_delta(float amax) {
   return std::max(amax / kFp4Range, std::numeric_limits<float>::min());
 }
 
-// ------------------------------------------------------------------------------------------------
-// Tensor views over raw pointers.
-// ------------------------------------------------------------------------------------------------
-using TensorArg = std::tuple<uintptr_t, std::string, std::vector<int64_t>>;
-
-template <class T, size_t N>
-struct View {
-  T* data = nullptr;
-  std::array<int64_t, N> strides{};
-
-  template <class... I>
-  HOT T& operator()(I... idx) const {
-    static_assert(sizeof...(I) == N, "one index per dimension");
-    const std::array<int64_t, N> at{static_cast<int64_t>(idx)...};
-    int64_t offset = 0;
-    for (size_t d = 0; d < N; ++d) offset += at[d] * strides[d];
-    return data[offset];
-  }
-};
-
-template <size_t N>
-std::array<int64_t, N> checked_strides(const TensorArg& arg, const char* name) {
-  const auto& strides = std::get<2>(arg);
-  if (strides.size() != N) {
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(N) + " strides, got " +
-                          std::to_string(strides.size()));
-  }
-  std::array<int64_t, N> out{};
-  std::copy(strides.begin(), strides.end(), out.begin());
-  return out;
-}
-
-template <class T, size_t N>
-View<T, N> view(const TensorArg& arg, const char* name, const char* dtype) {
-  if (std::get<1>(arg) != dtype) {
-    throw py::type_error(std::string(name) + ": dtype " + std::get<1>(arg) + ", expected " + dtype);
-  }
-  return {reinterpret_cast<T*>(std::get<0>(arg)), checked_strides<N>(arg, name)};
-}
-
-template <class T, size_t N>
-std::optional<View<T, N>> optional_view(const std::optional<TensorArg>& arg, const char* name,
-                                        const char* dtype) {
-  if (!arg) return std::nullopt;
-  return view<T, N>(*arg, name, dtype);
-}
 
 // V̂ is e4m3 or fp16, so it is addressed as raw codes of pv.bytes bytes.
 struct PvTensor {
@@ -295,60 +200,6 @@ OutTensor out_tensor(const TensorArg& arg) {
   return {reinterpret_cast<uint8_t*>(std::get<0>(arg)), checked_strides<4>(arg, "out"), fmt};
 }
 
-struct KvLens {
-  const uint8_t* data;
-  int64_t stride;
-  bool is_int64;
-
-  HOT int64_t operator()(int64_t b) const {
-    if (is_int64) {
-      int64_t n;
-      std::memcpy(&n, data + 8 * b * stride, sizeof n);
-      return n;
-    }
-    int32_t n;
-    std::memcpy(&n, data + 4 * b * stride, sizeof n);
-    return n;
-  }
-};
-
-std::optional<KvLens> kv_lens_view(const std::optional<TensorArg>& arg) {
-  if (!arg) return std::nullopt;
-  const std::string& dtype = std::get<1>(*arg);
-  if (dtype != "int32" && dtype != "int64") {
-    throw py::type_error("kv_lens: dtype " + dtype + " is not int32 or int64");
-  }
-  return KvLens{reinterpret_cast<const uint8_t*>(std::get<0>(*arg)), checked_strides<1>(*arg, "kv_lens")[0],
-                dtype == "int64"};
-}
-
-// attn_mask [B|1, Hq|1, Nq|1, Nk]: bool (nonzero byte = attend) or fp32 added to S. Python passes stride 0
-// for its broadcast (size-1) dimensions, so it is indexed with the score's own (b, h, i, j).
-struct AttnMask {
-  const uint8_t* data;
-  std::array<int64_t, 4> strides;
-  bool is_bool;
-
-  HOT int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return b * strides[0] + h * strides[1] + i * strides[2] + j * strides[3];
-  }
-  HOT bool allowed(int64_t b, int64_t h, int64_t i, int64_t j) const { return data[offset(b, h, i, j)] != 0; }
-  HOT float bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    float x;
-    std::memcpy(&x, data + 4 * offset(b, h, i, j), sizeof x);
-    return x;
-  }
-};
-
-std::optional<AttnMask> attn_mask_view(const std::optional<TensorArg>& arg) {
-  if (!arg) return std::nullopt;
-  const std::string& dtype = std::get<1>(*arg);
-  if (dtype != "bool" && dtype != "float32") {
-    throw py::type_error("attn_mask: dtype " + dtype + " is not bool or float32");
-  }
-  return AttnMask{reinterpret_cast<const uint8_t*>(std::get<0>(*arg)), checked_strides<4>(*arg, "attn_mask"),
-                  dtype == "bool"};
-}
 
 // ------------------------------------------------------------------------------------------------
 // The kernel. A task is a block of query rows of one (batch, head). Per key block it computes the
@@ -427,19 +278,8 @@ struct Workspace {
         q_rows4(pb.fp4 ? kRowBlock * pb.dp : 0), k_t4(pb.fp4 ? pb.dp * pb.key_stride : 0) {}
 };
 
-// torch.maximum and amax propagate NaN; std::max would drop it depending on argument order.
-HOT float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? kNaN : std::max(a, b); }
-
-// spec.exp2_fp32: exp2 in double, one rounding to float. exp2(-inf) = 0 needs no call (masked keys).
-HOT float exp2_fp32(float x) {
-  return x == -kInf ? 0.0f : static_cast<float>(std::exp2(static_cast<double>(x)));
-}
-
 HOT bool key_allowed(const Problem& pb, int64_t b, int64_t i, int64_t j) {
-  if (pb.kv_lens && j >= (*pb.kv_lens)(b)) return false;
-  if (pb.causal == 0) return true;
-  const int64_t offset = pb.causal == 1 ? 0 : pb.n_k - pb.n_q;
-  return j <= i + offset;
+  return sage_cpu::key_allowed(pb.kv_lens, pb.causal, pb.n_q, pb.n_k, b, i, j);
 }
 
 HOT void load_query_rows(const Problem& pb, Workspace& ws, int64_t b, int64_t h, int64_t r0, int64_t rows) {
@@ -742,7 +582,8 @@ void cast_hook(uintptr_t src, const std::string& src_dtype, uintptr_t dst, const
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Exact C++ CPU reference kernel of sage.quantized_attention (see sage_compile/spec.py).";
+  m.doc() = "Exact C++ CPU reference kernels of sage.quantized_attention and sage.attention_backward (see "
+            "sage_compile/spec.py).";
   m.def("quantized_attention", &quantized_attention,
         "Writes out [B,Hq,Nq,head_dim] and lse [B,Hq,Nq] through their strides. Each tensor is "
         "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). attn_mask (bool or "
@@ -760,4 +601,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("pv_dtype"));
   m.def("_cast", &cast_hook, "Test hook: fp32 → bf16/fp16 codes (outputs), e4m3fn/fp16 codes → fp32 (V̂).",
         py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"));
+  sage_cpu::def_backward(m);
 }

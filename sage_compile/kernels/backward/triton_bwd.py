@@ -33,7 +33,6 @@ inputs give finite gradients. Launches go to the current stream and allocate onl
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -44,14 +43,14 @@ try:  # optional: sage_compile imports without Triton (the op then falls back to
 except ImportError:  # pragma: no cover
     triton = None
 
-from .. import KV_LENS_DTYPES, attn_mask_problem, broadcast_strides
+from .. import broadcast_strides
 from ... import spec
+from . import contract
 
 NAME = "triton"
 
 BLOCK = spec.BWD_BLOCK  # the spec's tile edge: query rows and keys of one tile (the INT8 scale groups)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # padded (spec.padded_head_dim); int8 dots need K ≥ 32 on sm90
-_GRAD_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class LaunchConfig(NamedTuple):
@@ -323,65 +322,14 @@ if triton is not None:
 # ------------------------------------------------------------------------------------------------
 def check_inputs(grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse, kv_lens, attn_mask,
                  causal) -> None:
-    """The contract of ``attention_backward`` (spec.attention_backward_reference's arguments), as ValueErrors: the
-    kernels read wherever pointers, sizes and strides say."""
-    def fail(msg):
-        raise ValueError(f"sage attention backward (triton): {msg}")
-
-    for name, t in (("grad_out", grad_out), ("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            fail(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
-    batch, hq, n_q, dp = q.shape
-    hkv, n_k = k.shape[1], k.shape[2]
-    d = grad_out.shape[-1]
-    if hkv == 0 or hq % hkv:
-        fail(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    if dp not in SUPPORTED_HEAD_DIMS or not 1 <= d <= dp or spec.padded_head_dim(d) != dp:
-        fail(f"head dim D={d} with padded Dp={dp}: expected Dp = spec.padded_head_dim(D) in {SUPPORTED_HEAD_DIMS}")
-    if causal not in spec.CAUSAL_NAMES:
-        fail(f"causal={causal!r}: expected one of {sorted(spec.CAUSAL_NAMES)}")
-    expected = {
-        "grad_out": ((batch, hq, n_q, d), _GRAD_DTYPES),
-        "do8": ((batch, hq, n_q, dp), (torch.int8,)),
-        "do_scale": ((batch, hq, math.ceil(n_q / BLOCK), dp), (torch.float32,)),
-        "delta": ((batch, hq, n_q), (torch.float32,)),
-        "q": ((batch, hq, n_q, dp), (torch.int8,)),
-        "q_scale": ((batch, hq, n_q), (torch.float32,)),
-        "k": ((batch, hkv, n_k, dp), (torch.int8,)),
-        "k_scale": ((batch, hkv, n_k), (torch.float32,)),
-        "kc": ((batch, hkv, n_k, dp), (torch.int8,)),
-        "kc_scale": ((batch, hkv, math.ceil(n_k / BLOCK), dp), (torch.float32,)),
-        "v": ((batch, hkv, n_k, d), _GRAD_DTYPES),
-        "lse": ((batch, hq, n_q), (torch.float32,)),
-        "kv_lens": ((batch,), KV_LENS_DTYPES),
-    }
-    tensors = dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=q, q_scale=q_scale, k=k,
-                   k_scale=k_scale, kc=kc, kc_scale=kc_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=attn_mask)
-    for name, t in tensors.items():
-        if t is None:
-            if name not in ("kv_lens", "attn_mask"):
-                fail(f"{name} is required")
-            continue
-        if not isinstance(t, torch.Tensor):
-            fail(f"{name} must be a tensor, got {type(t)}")
-        if t.device != q.device:
-            fail(f"{name} is on {t.device}, q on {q.device}; every tensor must be on one device")
-        if name in expected:
-            shape, dtypes = expected[name]
-            if tuple(t.shape) != shape:
-                fail(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-            if t.dtype not in dtypes:
-                fail(f"{name}.dtype={t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    if v.dtype != grad_out.dtype:
-        fail(f"v ({v.dtype}) and grad_out ({grad_out.dtype}) must share a dtype: dP = dO·Vᵀ is one 16-bit dot")
-    # the operands read row by row (dÔ and K̂ᶜ are read K-major, through ``kmajor``), δdO, δKᶜ: unit channel stride
-    for name in ("q", "k", "do_scale", "kc_scale"):
-        t = tensors[name]
+    """contract.check_inputs, plus what the Triton kernels need: Dp in SUPPORTED_HEAD_DIMS, and the operands read
+    row by row (dÔ and K̂ᶜ are read K-major, through ``kmajor``), δdO and δKᶜ with a unit channel stride."""
+    contract.check_inputs("triton", grad_out, do8, do_scale, delta, q, q_scale, k, k_scale, kc, kc_scale, v, lse,
+                          kv_lens, attn_mask, causal, head_dims=SUPPORTED_HEAD_DIMS)
+    for name, t in (("q", q), ("k", k), ("do_scale", do_scale), ("kc_scale", kc_scale)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            fail(f"{name} must be contiguous in its last dimension (strides {tuple(t.stride())})")
-    mask_reason = attn_mask_problem(attn_mask, batch, hq, n_q, n_k, q.device)
-    if mask_reason is not None:
-        fail(mask_reason)
+            raise ValueError(f"sage attention backward (triton): {name} must be contiguous in its last dimension "
+                             f"(strides {tuple(t.stride())})")
 
 
 def kmajor(x8: torch.Tensor) -> torch.Tensor:
