@@ -29,7 +29,7 @@ from ... import spec
 BLOCK = spec.BWD_BLOCK
 
 if triton is not None:
-    from .triton_bwd import _int8_quantize
+    from .triton_bwd import _int8_quantize, _row_tile_program
 
     @triton.jit
     def _channels_per_tile(
@@ -42,12 +42,7 @@ if triton is not None:
         non-finite elements as 0), each channel's amax over the tile's rows, δ (spec.symmetric_delta: NaN where
         the amax is not finite) into XS [B,H,T,Dp], x̂ (0 where δ is NaN) K-major into X8T [B,H,Dp,T·BLOCK], rows
         past N as 0; with HAS_OUT also D = rowsum(x∘out) into DSUM [B,H,N]."""
-        pid_t = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b64 = (pid_bh // H).to(tl.int64)
-        h64 = (pid_bh % H).to(tl.int64)
-        offs_n = pid_t * BLOCK + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, HEAD_DP)
+        b64, h64, offs_n, offs_d = _row_tile_program(H, HEAD_DP, BLOCK)
         row_ok = offs_n < N
         ok = row_ok[:, None] & (offs_d < D)[None, :]
         x = tl.load(X + b64 * sx_b + h64 * sx_h + offs_n.to(tl.int64)[:, None] * sx_n + offs_d[None, :] * sx_d,
@@ -67,7 +62,7 @@ if triton is not None:
         x8 = tl.where(finite_amax[None, :], x8, 0)
         delta = tl.where(finite_amax, delta, float("nan"))
         tl.store(X8T + b64 * s8_b + h64 * s8_h + offs_d[None, :] * s8_d + offs_n[:, None], x8)
-        tl.store(XS + b64 * ss_b + h64 * ss_h + pid_t * ss_t + offs_d, delta)
+        tl.store(XS + b64 * ss_b + h64 * ss_h + tl.program_id(0) * ss_t + offs_d, delta)
 
 
 def runs_on(device: torch.device) -> bool:

@@ -127,14 +127,17 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _row_tile_program(H, HEAD_DP: tl.constexpr, BLOCK: tl.constexpr):
+        """A program of a (BLOCK-row tile, batch·head) grid: its batch and head (int64), the tile's rows, the
+        channels."""
+        pid_bh = tl.program_id(1)
+        return ((pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64), tl.program_id(0) * BLOCK + tl.arange(0, BLOCK),
+                tl.arange(0, HEAD_DP))
+
+    @triton.jit
     def _kmajor_copy(X, Y, sx_b, sx_h, sx_n, sy_b, sy_h, sy_d, H, N, HEAD_DP: tl.constexpr, BLOCK: tl.constexpr):
         """Y[b, h, :, rows] = X[b, h, rows, :]ᵀ for one BLOCK-row tile of int8 X (channels contiguous)."""
-        pid_t = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b64 = (pid_bh // H).to(tl.int64)
-        h64 = (pid_bh % H).to(tl.int64)
-        offs_n = pid_t * BLOCK + tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, HEAD_DP)
+        b64, h64, offs_n, offs_d = _row_tile_program(H, HEAD_DP, BLOCK)
         rows = (offs_n < N)[:, None]
         x = tl.load(X + b64 * sx_b + h64 * sx_h + offs_n.to(tl.int64)[:, None] * sx_n + offs_d[None, :], mask=rows)
         tl.store(Y + b64 * sy_b + h64 * sy_h + offs_d[None, :] * sy_d + offs_n[:, None], x, mask=rows)
