@@ -54,9 +54,9 @@ struct BackwardProblem {
   int64_t group = hq / hkv;
 };
 
-// One thread's tile: rows i0.. of one query head against keys j0.. (rows and keys past the sequence are 0). K̂ and
-// V are held transposed, so that the dot products run along the keys: each score's own sum keeps its order (over
-// the channels), and the vector lanes run across independent scores.
+// One thread's tile: rows i0.. of one query head against keys j0.. (P and dS are 0 past the tile's rows and keys).
+// K̂ and V are held transposed (zero past the tile's keys), so that the dot products run along the keys: each
+// score's own sum keeps its order (over the channels), and the vector lanes run across independent scores.
 struct Tile {
   std::vector<int32_t> q, k_t;  // [kBlock][dp] Q̂ rows; [dp][kBlock] K̂ᵀ
   std::vector<double> go, v_t;  // [kBlock][head_dim] dO rows; [head_dim][kBlock] Vᵀ (16-bit values, exact)

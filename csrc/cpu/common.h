@@ -43,7 +43,7 @@ HOT float bits_float(uint32_t bits) {
   return x;
 }
 
-// fp16 codes (v and dO in 16-bit) decoded through a table.
+// fp16 codes decoded through a table (the forward's V̂ with fp16 PV; the backward's v and dO in fp16).
 inline float f16_value(uint32_t code) {
   const float sign = (code & 0x8000) ? -1.0f : 1.0f;
   const int exp = (code >> 10) & 0x1F;
@@ -175,6 +175,7 @@ HOT float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? 
 HOT float exp2_fp32(float x) {
   return x == -kInf ? 0.0f : static_cast<float>(std::exp2(static_cast<double>(x)));
 }
+
 // Whether key j is visible to query row i of batch b: kv_lens, then causal (1: top-left, 2: bottom-right aligned).
 HOT bool key_allowed(const std::optional<KvLens>& kv_lens, int causal, int64_t n_q, int64_t n_k, int64_t b,
                      int64_t i, int64_t j) {
