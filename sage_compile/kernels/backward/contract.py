@@ -1,4 +1,4 @@
-"""What ``sage::attention_backward``'s kernels take: its arguments checked once, for every family that implements it."""
+"""What ``sage::attention_backward``'s kernels take: its arguments checked once, for every kernel that implements it."""
 from __future__ import annotations
 
 import math
