@@ -424,8 +424,9 @@ def backward_prep(grad_out: torch.Tensor, out: torch.Tensor, k: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """spec.prepare_backward: (dÔ, δdO, D, K̂ᶜ, δKᶜ) for sage.attention_backward. An opaque op, not aten ops in the
     graph: Inductor's CPU code for its per-tile amax under dynamic shapes read garbage indices (and a padded view of
-    it guarded N mod 64), so it is not yet fused into dO's producer. On CUDA its Triton kernels, which return dÔ and
-    K̂ᶜ K-major (kernels/backward/prep_triton.py)."""
+    it guarded N mod 64); fusing it into dO's producer would save little anyway (dO comes out of an extern matmul).
+    On CUDA its Triton kernels, which return dÔ and K̂ᶜ K-major (kernels/backward/prep_triton.py); elsewhere the
+    spec's aten ops."""
     from .kernels.backward import prep_triton
 
     if prep_triton.runs_on(grad_out.device):
