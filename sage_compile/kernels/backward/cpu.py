@@ -17,6 +17,9 @@ from . import contract
 
 NAME = "cpu"
 
+if not hasattr(_C, "attention_backward"):  # an extension built before the backward existed: reinstall to get it
+    raise ImportError("sage_compile._C has no attention_backward (built from older sources): pip install -e . again")
+
 
 def attention_backward(
     grad_out: torch.Tensor, do8: torch.Tensor, do_scale: torch.Tensor, delta: torch.Tensor, q: torch.Tensor,
