@@ -17,8 +17,9 @@ INT8 scale is taken over the same 64 elements as the oracle's:
   At Dp 128 it runs twice, once for dK and once for dV (``LaunchConfig.split``: one accumulator each, no spills).
 * ``_bwd_dq``: one program per (query block, batch·query head); loops over the visible key blocks, stores dQ.
 A skipped block contributes exactly 0 in the oracle too (its P, hence P̂, dŜ, Ĥ are 0). The INT8 operands that a
-product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read K-major, from [Dp, N] copies made per call
-(``kmajor``): Hopper's 8-bit wgmma takes its B operand K-major only.
+product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read K-major (``kmajor``: Hopper's 8-bit wgmma
+takes its B operand K-major only): dÔ and K̂ᶜ as the backward prep wrote them (prep_triton), Q̂ from a [Dp, N] copy
+made per call (the key kernel's dV launch leaves that copy unread: the compiler drops the load).
 
 Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division, x̂ =
 rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that add (one rounding where the spec rounds
