@@ -92,24 +92,33 @@ HOT int32_t grad_code(float x, float delta) {
   return static_cast<int32_t>(std::min(std::max(y, -kGradLevels), kGradLevels));
 }
 
+// Q̂ and dO rows i0 .. i0 + rows of head h into the tile.
+HOT void load_rows(const BackwardProblem& pb, Tile& t, int64_t b, int64_t h, int64_t i0, int64_t rows) {
+  load_int8_rows(pb.q, b, h, i0, rows, pb.dp, t.q.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < pb.head_dim; ++d) t.go[r * pb.head_dim + d] = pb.grad_out(b, h, i0 + r, d);
+  }
+}
+
+// K̂ᵀ and Vᵀ of keys j0 .. j0 + cols of kv head hk into the tile, zero past them.
+HOT void load_keys(const BackwardProblem& pb, Tile& t, int64_t b, int64_t hk, int64_t j0, int64_t cols) {
+  std::fill(t.k_t.begin(), t.k_t.end(), 0);
+  std::fill(t.v_t.begin(), t.v_t.end(), 0.0);
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t d = 0; d < pb.dp; ++d) t.k_t[d * kBlock + c] = pb.k(b, hk, j0 + c, d);
+    for (int64_t d = 0; d < pb.head_dim; ++d) t.v_t[d * kBlock + c] = pb.v(b, hk, j0 + c, d);
+  }
+}
+
 // S, P, dP and dS of the tile (rows i0 + r < i0 + rows of head h, keys j0 + c < j0 + cols), as the spec computes
 // them: S = (Q̂K̂ᵀ·δQ)·δK, the mask added, causal / kv_lens keys −∞; P = exp2(S − lse·log2 e), 0 for a row with no
-// key; dP = dO·Vᵀ summed in double, rounded to fp32; dS = P∘(dP − D).
+// key; dP = dO·Vᵀ summed in double, rounded to fp32; dS = P∘(dP − D). The rows (load_rows) and keys (load_keys)
+// are in the tile already: each pass loads its fixed side once.
 HOT void compute_tile(const BackwardProblem& pb, Tile& t, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
                       int64_t cols) {
   const int64_t hk = h / pb.group;
   std::fill(t.p.begin(), t.p.end(), 0.0f);
   std::fill(t.ds.begin(), t.ds.end(), 0.0f);
-  std::fill(t.k_t.begin(), t.k_t.end(), 0);
-  std::fill(t.v_t.begin(), t.v_t.end(), 0.0);
-  load_int8_rows(pb.q, b, h, i0, rows, pb.dp, t.q.data());
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < pb.head_dim; ++d) t.go[r * pb.head_dim + d] = pb.grad_out(b, h, i0 + r, d);
-  }
-  for (int64_t c = 0; c < cols; ++c) {
-    for (int64_t d = 0; d < pb.dp; ++d) t.k_t[d * kBlock + c] = pb.k(b, hk, j0 + c, d);
-    for (int64_t d = 0; d < pb.head_dim; ++d) t.v_t[d * kBlock + c] = pb.v(b, hk, j0 + c, d);
-  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
     int32_t dot[kBlock] = {};  // |dot| ≤ 127²·Dp < 2²⁴: exact in fp32 too
@@ -149,11 +158,13 @@ void key_tile(const BackwardProblem& pb, Tile& t, std::vector<double>& dk, std::
   const int64_t dp = pb.dp;
   std::fill(dk.begin(), dk.end(), 0.0);
   std::fill(dv.begin(), dv.end(), 0.0);
+  load_keys(pb, t, b, hk, j0, cols);
   for (int64_t h = hk * pb.group; h < (hk + 1) * pb.group; ++h) {
     std::fill(dk_head.begin(), dk_head.end(), 0.0);
     std::fill(dv_head.begin(), dv_head.end(), 0.0);
     for (int64_t i0 = 0; i0 < pb.n_q; i0 += kBlock) {
       const int64_t rows = std::min(kBlock, pb.n_q - i0);
+      load_rows(pb, t, b, h, i0, rows);
       compute_tile(pb, t, b, h, i0, rows, j0, cols);
       const int64_t tile = i0 / kBlock;
       load_int8_rows(pb.do8, b, h, i0, rows, dp, t.b8.data());
@@ -202,8 +213,10 @@ void row_tile(const BackwardProblem& pb, Tile& t, std::vector<double>& dq, int64
   const int64_t rows = std::min(kBlock, pb.n_q - i0);
   const int64_t hk = h / pb.group, dp = pb.dp;
   std::fill(dq.begin(), dq.end(), 0.0);
+  load_rows(pb, t, b, h, i0, rows);
   for (int64_t j0 = 0; j0 < pb.n_k; j0 += kBlock) {
     const int64_t cols = std::min(kBlock, pb.n_k - j0);
+    load_keys(pb, t, b, hk, j0, cols);
     compute_tile(pb, t, b, h, i0, rows, j0, cols);
     const int64_t tile = j0 / kBlock;
     load_int8_rows(pb.kc, b, hk, j0, cols, dp, t.b8.data());
