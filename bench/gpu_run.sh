@@ -5,7 +5,7 @@
 #   bash bench/gpu_run.sh bench    the full e2e bench only
 #   bash bench/gpu_run.sh <name> [options]   one benchmark (kernel, int4, eager, e2e, models, accuracy, backward, train,
 #                                            context_parallel, varlen), e.g. `kernel --quick`
-#   bash bench/gpu_run.sh sweep <variant>...  the shipped config vs inductor (bench e2e --default-only --rounds 2
+#   bash bench/gpu_run.sh sweep <variant>...  the shipped config vs inductor (bench e2e --default-only --rounds 3
 #                                            --record, N 1K-64K, D 128/64, causal 0/1) per variant: a --producer
 #                                            (half, interleaved, qknorm_half, qknorm_interleaved, none),
 #                                            key_padding (--mask) or gqa4 (--gqa 4)
@@ -30,7 +30,7 @@ case "$mode" in
   full|bench) python -m sage_compile bench e2e "$@" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
   kernel|int4|eager|e2e|models|accuracy|backward|train|context_parallel|varlen) python -m sage_compile bench "$mode" "$@" 2>&1 | tee "$OUT/$mode.log" | tail -40 ;;
   sweep|static_sweep)
-    if [ "$mode" = sweep ]; then grid="--rounds 2 --n 1024,2048,4096,8192,16384,32768,65536"
+    if [ "$mode" = sweep ]; then grid="--rounds 3 --n 1024,2048,4096,8192,16384,32768,65536"
     else grid="--static --rounds 3 --n 1024,2048,4096,8192"; fi
     for variant in "$@"; do
       case "$variant" in
