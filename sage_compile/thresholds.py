@@ -28,15 +28,14 @@ MEASURED = {
 }
 MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 
-# k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), same harness:
-#   D=128 4K/8K/16K: H100 1.10-1.13, 1.17-1.20, 1.23-1.27; H200 1.07-1.11, 1.16-1.23, 1.26-1.31; the shipped config's
-#     sweep on the H100 (``bench e2e --default-only``, e2e_bench_default_only_h100.json) 0.97 at 4K, the mean of one
-#     round at 1.16 and one slowed round (a 5-round rerun, not recorded, put sage ahead) → non-causal from 4K.
-#     Causal 4K: H100 1.07-1.09 and H200 1.07-1.14 in the first runs, 1.07 in the sweep, but 0.66 with 4 query heads
-#     per k/v head (e2e_bench_gqa4_default_only_h100.json), and a 5-round rerun (not recorded) put sage behind SDPA
-#     with and without GQA; 8K 1.18 (GQA 1.15) → from 8K.
-#   D=64 4K/8K/16K: H100 1.08-1.09, 1.14, 1.22; H200 1.08-1.10, 1.18, 1.19 → non-causal from 4K; causal 4K 1.03-1.04
-#     (inside the spread), 8K 1.05-1.10 → from 8K.
+# k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), same harness — the rotary
+# sweep's per_thread column (e2e_bench_h100.json, e2e_bench_h200.json) and the shipped config's sweeps against
+# inductor on the H100 (``bench e2e --default-only``: e2e_bench_default_only_h100.json, 3 rounds; 4 query heads per
+# k/v head: e2e_bench_gqa4_default_only_h100.json; both compiled per shape: e2e_bench_static_default_only_h100.json):
+#   D=128 non-causal 4K: H100 1.10, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.19); 8K 1.26 → from 4K.
+#     Causal 4K: H100 0.84 → from 8K, where the shipped config runs 1.22 (GQA 1.28).
+#   D=64 non-causal 4K: H100 1.10; the shipped config 1.12 (per shape 1.12) → from 4K; causal 4K 1.00 (level) → from
+#     8K: 1.13 (GQA 1.17).
 MEASURED_PER_THREAD_K = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
