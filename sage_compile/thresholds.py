@@ -45,9 +45,9 @@ MEASURED_PER_THREAD_K = {
 
 # Sites whose fused prep also runs a QK-norm (an RMS norm of q and k before the rotary: Qwen3, Flux, SD3): the norm's
 # row reduction makes the prep costlier, so sage wins later. H100, the shipped config's sweep (``bench e2e
-# --default-only --producer qknorm_half``, rounds 2, e2e_bench_qknorm_half_default_only_h100.json), per_thread K,
-# sage / inductor at 4K/8K/16K: D=128 0.98, 1.01, 1.25 (causal 0.96, 0.97, 1.19); D=64 0.95, 1.00, 1.18 (causal 8K
-# 0.97, 16K 1.16) → D=128 from 4K (level there; a whole DiT layer with QK-norm at 4608 tokens ran 1.07×, bench models,
+# --default-only --producer qknorm_half``, rounds 3, e2e_bench_qknorm_half_default_only_h100.json), per_thread K,
+# sage / inductor where sage ran: D=128 4K 0.98, 8K 1.01, 16K 1.26 (causal 16K 1.24); D=64 8K 1.00, 16K 1.20 (causal
+# 16K 1.14) → D=128 from 4K (level there; a whole DiT layer with QK-norm at 4608 tokens ran 1.07×, bench models,
 # models_h100.json), D=64 from 8K, causal from 16K. Per-token K with a QK-norm is not measured: the later of its
 # rotary entry and this one.
 MEASURED_QK_NORM_PER_THREAD_K = {
