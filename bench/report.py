@@ -119,8 +119,9 @@ def e2e_section(runs, variants) -> list:
              "shape too, as the baseline is and as torch.compile does for a model's first shape (`bash "
              "bench/gpu_run.sh static_sweep`: `--static`, 3 rounds, N 1K–8K, where the thresholds choose): there a "
              "site left to SDPA compiles to the baseline's own graph, so its rows read 1.00 within the run spread; in "
-             "the `dynamic=True` sweeps such rows still run Inductor's dynamic-shape producer kernels, which differ "
-             "from its per-shape ones by up to 17% at 1K–4K, either way (most behind a QK-norm).", ""]
+             "the `dynamic=True` sweeps such rows still run Inductor's dynamic-shape producer kernels, and read "
+             "0.83–1.22× there at 1K–4K, where both columns ran SDPA (the wide ends behind a QK-norm; 0.96–1.09 "
+             "otherwise).", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}", ""] + _e2e_table(data)
     for variant, _, data in variants:

@@ -68,7 +68,6 @@ def test_a_column_whose_passes_spread_gets_as_many_passes_again(monkeypatch):
     assert out["a_ms"] == pytest.approx(0.2175) and out["b_ms"] == 0.218  # the medians of six: level columns
 
 
-
 def test_columns_compile_whole_under_dynamic_shapes_with_and_without_gqa():
     """A column compiled with dynamic=True is one graph whose site is replaced, grouped-query or not: enable_gqa= is a
     constant of the column (read from symbolic head counts it broke the graph, and SDPA ran eagerly outside sage)."""

@@ -73,12 +73,10 @@ float e4m3_value(uint32_t code) {
   return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
 }
 
-
 const std::vector<float>& e4m3_table() {
   static const std::vector<float> table = decode_table<256>(e4m3_value);
   return table;
 }
-
 
 // The PV operand type (V̂ and P̂): e4m3fn or fp16.
 struct PvFormat {
@@ -133,7 +131,6 @@ HOT float nvfp4_delta(float amax) {
   if (!std::isfinite(amax)) return kNaN;
   return std::max(amax / kFp4Range, std::numeric_limits<float>::min());
 }
-
 
 // V̂ is e4m3 or fp16, so it is addressed as raw codes of pv.bytes bytes.
 struct PvTensor {
@@ -199,7 +196,6 @@ OutTensor out_tensor(const TensorArg& arg) {
   }
   return {reinterpret_cast<uint8_t*>(std::get<0>(arg)), checked_strides<4>(arg, "out"), fmt};
 }
-
 
 // ------------------------------------------------------------------------------------------------
 // The kernel. A task is a block of query rows of one (batch, head). Per key block it computes the
