@@ -32,8 +32,8 @@ MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 # sweep's per_thread column (e2e_bench_h100.json, e2e_bench_h200.json) and the shipped config's sweeps against
 # inductor on the H100 (``bench e2e --default-only``: e2e_bench_default_only_h100.json, 3 rounds; 4 query heads per
 # k/v head: e2e_bench_gqa4_default_only_h100.json; both compiled per shape: e2e_bench_static_default_only_h100.json):
-#   D=128 non-causal 4K: H100 1.10, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.19); 8K 1.26 → from 4K.
-#     Causal 4K: H100 0.84 → from 8K, where the shipped config runs 1.22 (GQA 1.28).
+#   D=128 non-causal 4K: H100 1.10, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
+#     Causal 4K: H100 0.84 → from 8K, where the shipped config runs 1.22 (GQA 1.26).
 #   D=64 non-causal 4K: H100 1.10; the shipped config 1.12 (per shape 1.12) → from 4K; causal 4K 1.00 (level) → from
 #     8K: 1.13 (GQA 1.17).
 MEASURED_PER_THREAD_K = {
