@@ -96,12 +96,31 @@ def _quantized_int8(x, inv):
 
 
 @triton.jit
+def _fma_rn(a, b, c):
+    """IEEE a·b + c with one rounding, keeping subnormals (Triton's FTZ setting would flush them)."""
+    return tl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+_RCP_127 = tl.constexpr(0.007874015718698502)  # 1/127 rounded to float32 (exactly representable: no second rounding)
+
+
+@triton.jit
 def _int8_scales(amax):
     """(δ, 1/δ) of spec.quantize_symmetric for int8: δ = fma_friendly(max(amax/127, tiny)) — at least the smallest
-    normal float, so that 1/δ is finite (an all-zero group: x̂ = 0·inv = 0) — and 1/δ, both IEEE divisions."""
-    delta = tl.maximum(_div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
+    normal float, so that 1/δ is finite (an all-zero group: x̂ = 0·inv = 0) — and 1/δ, both rounded as IEEE division
+    rounds them, without its branch to a slow path: amax/127 as amax·RN(1/127) corrected by one FMA of the residual,
+    1/δ as rcp.approx corrected by one Newton step. Bit-equal to div.rn for every float ≥ 0, infinities and NaN
+    included (tests/gpu/test_prep_triton.py checks all 2³¹)."""
+    r = tl.full(amax.shape, _RCP_127, tl.float32)
+    q0 = _mul_rn(amax, r)
+    q = _fma_rn(_fma_rn(-q0, tl.full(amax.shape, 127.0, tl.float32), amax), r, q0)
+    delta = tl.maximum(tl.where(q0 == float("inf"), q0, q), 1.1754943508222875e-38)
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
-    return delta, _div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
+    y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [delta], dtype=tl.float32, is_pure=True,
+                                  pack=1)
+    inv = _fma_rn(y, _fma_rn(-delta, y, tl.full(amax.shape, 1.0, tl.float32)), y)
+    return delta, tl.where(delta == float("inf"), 0.0, inv)
 
 
 @triton.jit

@@ -396,3 +396,30 @@ def test_the_lse_shift_kernel_is_the_specs(hkv, d):
     got, expected = prep_triton.lse_shift(q, k_mean, 0.3), spec.lse_shift(q, k_mean, 0.3)
     assert torch.equal(got.isnan(), expected.isnan()) and int(got.isnan().sum()) == 1
     torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_scales_round_as_ieee_division_for_every_float():
+    """prep_triton._int8_scales (amax/127 by a product and an FMA correction, 1/δ by rcp.approx and a Newton step: no
+    branch to a division slow path) equals δ = fma_friendly(max(amax/127, tiny)) and 1/δ by div.rn, bit for bit, for
+    all 2³¹ bit patterns ≥ 0 — infinity and NaN included."""
+    import triton
+    import triton.language as tl
+
+    from sage_compile.kernels.prep_triton import _div_rn, _int8_scales
+
+    @triton.jit
+    def count_mismatches(out, BLOCK: tl.constexpr):
+        bits = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        amax = bits.to(tl.int32).to(tl.float32, bitcast=True)
+        delta, inv = _int8_scales(amax)
+        want = tl.maximum(_div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
+        want = ((want.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)
+        want_inv = _div_rn(tl.full(amax.shape, 1.0, tl.float32), want)
+        bad = (delta.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) | (
+            inv.to(tl.int32, bitcast=True) != want_inv.to(tl.int32, bitcast=True))
+        tl.store(out + tl.program_id(0), tl.sum(bad.to(tl.int32), axis=0))
+
+    block = 4096
+    out = torch.full((2**31 // block,), -1, dtype=torch.int32, device=DEV)
+    count_mismatches[(out.numel(),)](out, BLOCK=block)
+    assert int((out != 0).sum()) == 0, f"{int(out.clamp_min(0).sum())} patterns differ"

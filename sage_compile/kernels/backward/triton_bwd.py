@@ -21,12 +21,13 @@ product sums over the sequence — dV's dÔ, dK's Q̂, dQ's K̂ᶜ — are read 
 takes its B operand K-major only): dÔ and K̂ᶜ as the backward prep wrote them (prep_triton), Q̂ from a [Dp, N] copy
 made per call (the key kernel's dV launch leaves that copy unread: the compiler drops the load).
 
-Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division, x̂ =
-rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that add (one rounding where the spec rounds
-twice: a step apart where x·(1/δ) lies within ~1e-5 of a half-integer). Every int32 dot is an exact integer sum (|x| ≤
-127²·256 < 2²²), converted to fp32 exactly. Arithmetic differs from the oracle only by rounding
-(tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64 one, fused multiply-adds in S −
-lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32 accumulation order.
+Quantization as ``spec.quantize_symmetric``: δ = fma_friendly(max(amax/127, tiny)) and 1/δ as IEEE division rounds
+them (prep_triton._int8_scales), x̂ = rint(x·(1/δ)) by adding 1.5·2²³ — the compiler may fuse the product into that
+add (one rounding where the spec rounds twice: a step apart where x·(1/δ) lies within ~1e-5 of a half-integer).
+Every int32 dot is an exact integer sum (|x| ≤ 127²·256 < 2²²), converted to fp32 exactly. Arithmetic differs from
+the oracle only by rounding (tests/gpu/test_backward_triton.py bounds it): the GPU's exp2 and the oracle's float64
+one, fused multiply-adds in S − lse, fp32 (not float64) sums of the per-tile products over tiles and heads, dP's fp32
+accumulation order.
 A P, dS or H element within a rounding of an INT8 midpoint may round to the neighbouring step there.
 
 NaN/Inf inputs are not specified for the backward (the spec's special-value rules are the forward's); finite
@@ -83,6 +84,7 @@ def launch_config(padded_head_dim: int) -> LaunchConfig:
 
 
 if triton is not None:
+    from ..prep_triton import _int8_scales
 
     @triton.jit
     def _i32_to_f32(x):
@@ -98,9 +100,7 @@ if triton is not None:
         that add: x̂ then differs from the spec's by one step where x·(1/δ) lies within ~1e-5 of a half-integer, which
         the oracle tests' tolerance covers. EXACT (the prep, whose outputs are the spec's to the bit): clamped, which
         keeps the product from being fused, so it is rounded twice, as the spec rounds it."""
-        delta = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
-        delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
-        inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), delta)
+        delta, inv = _int8_scales(amax)
         y = x * tl.expand_dims(inv, AXIS)
         if EXACT:
             y = tl.minimum(tl.maximum(y, -127.0), 127.0)
