@@ -14,12 +14,11 @@ NEVER = math.inf
 
 # (compute capability major, padded head dim, causal) → the smallest key length at which sage won on every sm90
 # GPU measured (H100 and H200), ``bench e2e`` with a rotary producer, interleaved rounds, dynamic=True, torch
-# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K:
-#   D=128 non-causal 2K/4K/8K/16K/32K: H100 0.84, 1.03-1.04, 1.05-1.07, 1.11, 1.13; H200 0.86, 1.05-1.06, 1.03-1.07,
-#     1.13-1.15, 1.16 → from 4K. Causal 4K: H100 0.99, H200 1.00-1.02 (inside the ±3-5% run-to-run spread); 8K
-#     1.02-1.07 → from 8K. The interleaved rotary was level or ahead at 4K on both GPUs (0.99-1.19): one table for
-#     both rotary forms; a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
-#   D=64: 0.83-1.01 from 4K to 32K, never clearly ahead.
+# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K (e2e_bench_h100.json, e2e_bench_h200.json):
+#   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.03, 1.11 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
+#     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
+#     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
+#   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99): never clearly ahead.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
@@ -32,10 +31,11 @@ MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 # sweep's per_thread column (e2e_bench_h100.json, e2e_bench_h200.json) and the shipped config's sweeps against
 # inductor on the H100 (``bench e2e --default-only``: e2e_bench_default_only_h100.json, 3 rounds; 4 query heads per
 # k/v head: e2e_bench_gqa4_default_only_h100.json; both compiled per shape: e2e_bench_static_default_only_h100.json):
-#   D=128 non-causal 4K: H100 1.10, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
-#     Causal 4K: H100 0.84 → from 8K, where the shipped config runs 1.22 (GQA 1.26).
-#   D=64 non-causal 4K: H100 1.10; the shipped config 1.12 (per shape 1.12) → from 4K; causal 4K 1.00 (level) → from
-#     8K: 1.13 (GQA 1.17).
+#   D=128 non-causal 4K: H100 1.17, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
+#     Causal 4K: H100 1.05 in one round, inside a 4K point's run-to-run spread → from 8K, where the shipped config runs
+#     1.22 (GQA 1.26).
+#   D=64 non-causal 4K: H100 1.11; the shipped config 1.12 (per shape 1.12) → from 4K; causal 4K 1.05 in one round,
+#     inside that spread → from 8K: 1.13 (GQA 1.17).
 MEASURED_PER_THREAD_K = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
