@@ -102,7 +102,8 @@ def _fma_rn(a, b, c):
                                      is_pure=True, pack=1)
 
 
-_RCP_127 = tl.constexpr(0.007874015718698502)  # 1/127 rounded to float32 (exactly representable: no second rounding)
+_RCP_127 = tl.constexpr(0.007874015718698502)  # 1/127 rounded to float32 (this literal is that float exactly)
+FLOAT32_TINY = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32: the floor of every scale δ
 
 
 @triton.jit
@@ -115,7 +116,7 @@ def _int8_scales(amax):
     r = tl.full(amax.shape, _RCP_127, tl.float32)
     q0 = _mul_rn(amax, r)
     q = _fma_rn(_fma_rn(-q0, tl.full(amax.shape, 127.0, tl.float32), amax), r, q0)
-    delta = tl.maximum(tl.where(q0 == float("inf"), q0, q), 1.1754943508222875e-38)
+    delta = tl.maximum(tl.where(q0 == float("inf"), q0, q), FLOAT32_TINY)
     delta = ((delta.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)  # spec.fma_friendly
     y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [delta], dtype=tl.float32, is_pure=True,
                                   pack=1)
@@ -127,7 +128,7 @@ def _int8_scales(amax):
 def _e4m3_scale(amax):
     """δV of spec.prepare_v: max(amax/448, tiny) (IEEE division; at least the smallest normal float, so 1/δV is
     finite)."""
-    return tl.maximum(_div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.1754943508222875e-38)
+    return tl.maximum(_div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), FLOAT32_TINY)
 
 
 @triton.jit

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from . import KernelArgs, KernelSite, broadcast_strides, native_fp4, packed_batch_problem, widen_fp4_channels
-from .prep_triton import _div_rn
+from .prep_triton import FLOAT32_TINY, _div_rn
 
 NAME = "triton"
 
@@ -319,7 +319,7 @@ def _fp4_pv(p, v_ptrs, vbs_ptrs, start_n, NKP, MASK: tl.constexpr, NATIVE: tl.co
     of P̃, x' = P̃·(1/δP), per 16 keys s = e4m3(amax/6), codes e2m1(x'·(1/s)); divisions IEEE. A NaN row's x' is
     taken as 0 (its l is NaN anyway). V̂ᵀ is read as _fp4_scores reads K̂ (columns: keys)."""
     row_max = tl.max(p, 1)
-    delta = tl.maximum(_div_rn(row_max, tl.full(row_max.shape, 2688.0, tl.float32)), 1.1754943508222875e-38)
+    delta = tl.maximum(_div_rn(row_max, tl.full(row_max.shape, 2688.0, tl.float32)), FLOAT32_TINY)
     x = p * _div_rn(tl.full(row_max.shape, 1.0, tl.float32), delta)[:, None]
     blocks = tl.reshape(tl.where(x < float("inf"), x, 0.0), [p.shape[0], BLOCK_N // 16, 16])
     amax = tl.max(blocks, 2)

@@ -405,14 +405,14 @@ def test_int8_scales_round_as_ieee_division_for_every_float():
     import triton
     import triton.language as tl
 
-    from sage_compile.kernels.prep_triton import _div_rn, _int8_scales
+    from sage_compile.kernels.prep_triton import FLOAT32_TINY, _div_rn, _int8_scales
 
     @triton.jit
     def count_mismatches(out, BLOCK: tl.constexpr):
         bits = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         amax = bits.to(tl.int32).to(tl.float32, bitcast=True)
         delta, inv = _int8_scales(amax)
-        want = tl.maximum(_div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.1754943508222875e-38)
+        want = tl.maximum(_div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), FLOAT32_TINY)
         want = ((want.to(tl.int32, bitcast=True) + 3) & -4).to(tl.float32, bitcast=True)
         want_inv = _div_rn(tl.full(amax.shape, 1.0, tl.float32), want)
         bad = (delta.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)) | (

@@ -11,8 +11,8 @@ In aten the prep is a chain of some twenty passes over [B, H, N, Dp] fp32 tempor
 dÔ and K̂ᶜ are stored K-major — [B, H, Dp, N'] with N' the sequence padded to BWD_BLOCK, pad rows 0 — and returned as
 [B, H, N, Dp] views of it: the layout the backward's products read them in (``triton_bwd.kmajor``: Hopper's 8-bit
 wgmma takes its B operand K-major only), so the backward makes no copy of them. The values are the spec's to the bit
-— amax exact, δ = fma_friendly(max(amax/127, tiny)) and 1/δ by IEEE division, round half to even — except D, whose
-fp32 sum over the channels runs in another order (a few ulp apart).
+— amax exact, δ = fma_friendly(max(amax/127, tiny)) and 1/δ rounded as IEEE division rounds them, round half to
+even — except D, whose fp32 sum over the channels runs in another order (a few ulp apart).
 """
 from __future__ import annotations
 
