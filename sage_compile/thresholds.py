@@ -15,7 +15,7 @@ NEVER = math.inf
 # (compute capability major, padded head dim, causal) → the smallest key length at which sage won on every sm90
 # GPU measured (H100 and H200), ``bench e2e`` with a rotary producer, interleaved rounds, dynamic=True, torch
 # 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K (e2e_bench_h100.json, e2e_bench_h200.json):
-#   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.03, 1.11 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
+#   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.09, 1.19 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
 #     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
 #     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
 #   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99): never clearly ahead.
@@ -31,7 +31,7 @@ MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 # sweep's per_thread column (e2e_bench_h100.json, e2e_bench_h200.json) and the shipped config's sweeps against
 # inductor on the H100 (``bench e2e --default-only``: e2e_bench_default_only_h100.json, 3 rounds; 4 query heads per
 # k/v head: e2e_bench_gqa4_default_only_h100.json; both compiled per shape: e2e_bench_static_default_only_h100.json):
-#   D=128 non-causal 4K: H100 1.17, H200 1.17; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
+#   D=128 non-causal 4K: H100 1.17, H200 1.18; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
 #     Causal 4K: H100 1.05 in one round, inside a 4K point's run-to-run spread → from 8K, where the shipped config runs
 #     1.22 (GQA 1.26).
 #   D=64 non-causal 4K: H100 1.11; the shipped config 1.12 (per shape 1.12) → from 4K; causal 4K 1.05 in one round,
@@ -94,20 +94,21 @@ MEASURED_COMPILED_STANDALONE_PER_THREAD_K = dict.fromkeys(MEASURED_STANDALONE_PE
 MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compiled sites with no producer to fuse"
 
 
-# Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), H200,
-# ``bench e2e --mask``, rope → SDPA(attn_mask), 1K/4K/16K/32K, sage / inductor:
-#   a mask with one row for every query (key padding [B,1,1,Nk] bool): D=128 0.90, 1.18, 1.34, 1.37;
-#     D=64 0.90, 1.09, 1.16, 1.17 → from 4K at both head dims (causal does not arise: SDPA takes a mask
-#     or is_causal, not both);
-#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive): D=128 0.84, 0.97, 0.99, 1.00; D=64 0.82, 0.85,
-#     0.85, 0.78 → never (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
+# Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), ``bench e2e
+# --mask``, rope → SDPA(attn_mask), sage / inductor:
+#   a mask with one row for every query (key padding [B,1,1,Nk] bool), the shipped config's sweep on the H100
+#     (e2e_bench_mask_key_padding_default_only_h100.json, 2 rounds): D=128 4K 1.26, 16K 1.37, 64K 1.51; D=64 4K
+#     1.20, 16K 1.26 → from 4K at both head dims (causal does not arise: SDPA takes a mask or is_causal, not both);
+#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 at 1K/4K/16K/32K: D=128 0.84, 0.97, 0.99, 1.00;
+#     D=64 0.82, 0.85, 0.85, 0.78 → never (the mask's HBM read and its ·log2 e copy cost what the 8-bit products
+#     save);
 #   a bool mask with a row per query: not measured end to end — the unmasked table (kernel alone, H100: sm90
 #     402–420 TOPS with a random [B,H,Nq,Nk] bool mask at D=128 4K–16K, SDPA with that mask 126–130).
 MEASURED_KEY_MASK = {
     (9, 128): 4096,
     (9, 64): 4096,
 }
-MEASURED_MASKED_ON = "measured on the H200 (sm90), bench e2e --mask"
+MEASURED_MASKED_ON = "measured on the H100 and H200 (sm90), bench e2e --mask"
 
 # pv='fp16' (fp16 P̂ and V̂: the most accurate setting), H100, the sm90 kernel's fp16-PV instantiations. Kernel alone,
 # TOPS sm90 pv16 / cuDNN at 4K and 16K: D=128 552/628, 538/624 (causal 488/548, 558/589); D=64 414/467, 431/462
