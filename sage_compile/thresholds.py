@@ -99,9 +99,9 @@ MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compi
 #   a mask with one row for every query (key padding [B,1,1,Nk] bool), the shipped config's sweep on the H100
 #     (e2e_bench_mask_key_padding_default_only_h100.json, 2 rounds): D=128 4K 1.26, 16K 1.37, 64K 1.51; D=64 4K
 #     1.20, 16K 1.26 → from 4K at both head dims (causal does not arise: SDPA takes a mask or is_causal, not both);
-#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 at 1K/4K/16K/32K: D=128 0.84, 0.97, 0.99, 1.00;
-#     D=64 0.82, 0.85, 0.85, 0.78 → never (the mask's HBM read and its ·log2 e copy cost what the 8-bit products
-#     save);
+#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 (e2e_bench_mask_additive_h200.json, 2 rounds),
+#     per-token / per_thread K at 4K and 16K: D=128 1.00 / 1.02, 0.97 / 1.00; D=64 0.88 / 0.89, 0.85 / 0.77 → never
+#     (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
 #   a bool mask with a row per query: not measured end to end — the unmasked table (kernel alone, H100: sm90
 #     402–420 TOPS with a random [B,H,Nq,Nk] bool mask at D=128 4K–16K, SDPA with that mask 126–130).
 MEASURED_KEY_MASK = {
