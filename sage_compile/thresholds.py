@@ -110,25 +110,27 @@ MEASURED_KEY_MASK = {
 }
 MEASURED_MASKED_ON = "measured on the H100 and H200 (sm90), bench e2e --mask"
 
-# pv='fp16' (fp16 P̂ and V̂: the most accurate setting), H100, the sm90 kernel's fp16-PV instantiations. Kernel alone,
-# TOPS sm90 pv16 / cuDNN at 4K and 16K: D=128 552/628, 538/624 (causal 488/548, 558/589); D=64 414/467, 431/462
-# (causal 365/418, 393/457). End to end with the fused rope prep, sage / inductor, D=128 4K/16K/32K: 0.80, 0.94,
-# 0.93 (causal 0.74, 0.89, 0.94); D=64 4K/16K: 0.84, 0.90 (causal 0.76, 0.88). Behind cuDNN at every length and
-# both head dims: such sites stay SDPA unless SageConfig.min_seq_len says otherwise.
+# pv='fp16' (fp16 P̂ and V̂: the most accurate setting), H100, the sm90 kernel's fp16-PV instantiations. Kernel alone
+# (kernel_bench_h100.json), TOPS sm90 pv16 / cuDNN at 4K and 16K: D=128 591/599, 622/606 (causal 517/534, 599/563);
+# D=64 458/451, 476/430 (causal 409/413, 439/436): level at 4K and 1–11% ahead at 16K before the prep's cost: the
+# fused prep (0.148 ms in a CUDA graph, e2e_bench_h100.json) is 5–10% of a 16K-key call. No current results file holds
+# an end-to-end pv16 sweep: such sites stay SDPA unless SageConfig.min_seq_len says otherwise, until `bench e2e --pv
+# fp16 --record` shows where they win.
 MEASURED_PV16 = {
     (9, 128, False): NEVER,
     (9, 128, True): NEVER,
     (9, 64, False): NEVER,
     (9, 64, True): NEVER,
 }
-# pv='fp16' with an attn_mask (H100, ``bench e2e --mask ... --pv fp16``), sage / inductor at 1K/4K/16K: key padding
-# [B,1,1,N] D=128 0.78, 0.96, 1.07; D=64 0.85, 1.02, 1.06 → from 16K (4K is level, inside the spread; 8K not
-# measured); an additive fp32 mask per query 0.70-0.81 → never; a bool mask per query: the unmasked pv16 table.
+# pv='fp16' with an attn_mask: key padding [B,1,1,N] from 16K keys, where the pv16 kernel alone pulls ahead of cuDNN
+# (above) and SDPA with the mask runs its slower masked kernels; an additive fp32 mask per query never (as for fp8
+# PV, above); a bool mask per query: the unmasked pv16 table. No current results file holds a pv16 masked sweep
+# (`bench e2e --mask key_padding --pv fp16 --record`).
 MEASURED_PV16_KEY_MASK = {
     (9, 128): 16384,
     (9, 64): 16384,
 }
-MEASURED_PV16_ON = "pv='fp16' measured on the H100 (sm90), bench e2e"
+MEASURED_PV16_ON = "pv='fp16' measured on the H100 (sm90), bench kernel: the kernel alone"
 MASK_ROWS_TEXT = {"keys": "a mask shared by all queries (key padding)", "bool": "a bool mask per query",
                   "float": "an additive fp32 mask per query"}
 
