@@ -31,7 +31,7 @@ SDPA_VARIANTS = {
 def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: SiteReport) -> None:
     index = 0
     for node in list(graph.nodes):
-        if not is_call(node, SDPA_VARIANTS) or _judged_in_stage1(node):
+        if not is_call(node, SDPA_VARIANTS) or _judged_in_stage1(node) or _traced_from_a_backward(node):
             continue
         name = f"{node.target.__name__.split('.')[0]}#{index}"
         index += 1
@@ -44,6 +44,13 @@ def rewrite_sdpa_variants(graph: torch.fx.Graph, config: SageConfig, report: Sit
 def _judged_in_stage1(node: torch.fx.Node) -> bool:
     """Traced from an F.sdpa call: stage 1 already kept it (with its reason) — don't report it twice."""
     return any(target in SDPA_CALLS for _, target in node.meta.get("source_fn_stack") or ())
+
+
+def _traced_from_a_backward(node: torch.fx.Node) -> bool:
+    """An SDPA that AOTAutograd traced from a backward — a forward recomputed for the gradient (our own
+    ``backward="sdpa"`` family's, or activation checkpointing's) — is never a user site: its forward was judged
+    already, and the gradient must be SDPA's own."""
+    return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
 
 
 def _analyse(node: torch.fx.Node):

@@ -143,3 +143,21 @@ def test_compiled_training_with_backward_none_keeps_the_site_on_sdpa():
     assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 0
     report = sage_compile.explain(model, x, config=config)
     assert len(report.sites) == 1 and not report.replaced and "SDPA is faster for training" in str(report)
+
+
+@pytest.mark.parametrize("backward", ["sdpa", "sage"])
+def test_compiled_training_with_fallback_error_never_trips_on_its_own_backward(backward):
+    """backend="sage" (Inductor) on a causal block trained with fallback="error": the SDPA that the default backward
+    family recomputes lands in the joint graph as an SDPA variant, and stage 2 must not judge it as a user site
+    (it raised UnsupportedAttentionError; with fallback="sdpa" it counted a kept site the user never wrote)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SelfAttention(128, 2).to(torch.bfloat16)
+    x = torch.randn(2, 128, 128, dtype=torch.bfloat16)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, backend="sage", options={"fallback": "error", "min_seq_len": 0,
+                                                             "backward": backward})
+    compiled(x).float().square().mean().backward()
+    assert counters["sage"]["sites_replaced"] == 1 and counters["sage"]["sites_kept_sdpa"] == 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
