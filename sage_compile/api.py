@@ -61,7 +61,8 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                           is_causal: bool = False, scale: Optional[float] = None, *,
-                          config: Optional[SageConfig] = None, return_lse: bool = False):
+                          config: Optional[SageConfig] = None, return_lse: bool = False,
+                          causal: Optional[bool] = None, softmax_scale: Optional[float] = None):
     """Ragged batches in FlashAttention's packed layout: q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence i is
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q and cu_seqlens_k[i]:cu_seqlens_k[i+1] of k and v (int32 or int64,
     B+1 entries from 0). Returns out [total_q, Hq, D] (and lse [Hq, total_q] with ``return_lse``). Causal is
@@ -72,11 +73,17 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     copied to q's device), by a device-side assert where they are on the GPU already — no host sync, so the call stays
     asynchronous (a violation stops the CUDA context with the message).
 
+    FlashAttention's keywords work too, so ``flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+    softmax_scale=s)`` callers switch by import: ``causal=`` is ``is_causal=``, ``softmax_scale=`` is ``scale=`` (giving
+    both of a pair with different values is an error).
+
     What the packed kernel cannot run — inputs that require grad, schemes with ``smooth_q``, calls sage_attention would
     send to SDPA (fp32 without allow_fp32, ...) — runs as one ``sage_attention`` per sequence, which reports its own
     fallbacks; the counter ``sage.varlen_per_sequence`` counts those calls, ``sage.varlen_packed`` the others."""
     from . import varlen
 
+    is_causal = _one_of("is_causal", is_causal, False, "causal", causal)
+    scale = _one_of("scale", scale, None, "softmax_scale", softmax_scale)
     _check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     config = _DEFAULT_CONFIG if config is None else config
     causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
@@ -91,6 +98,16 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     counters["varlen_per_sequence"] += 1
     lens_q, lens_k = (_host_lengths(*bound) for bound in bounds)
     return _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse)
+
+
+def _one_of(name: str, value, default, alias: str, alias_value):
+    """``value`` of the argument ``name``, or FlashAttention's ``alias`` for it where that is given instead."""
+    if alias_value is None:
+        return value
+    if value != default and value != alias_value:
+        raise ValueError(f"sage_attention_varlen: {name}={value!r} and {alias}={alias_value!r} disagree; {alias} is "
+                         f"FlashAttention's name for {name}: pass one of them")
+    return alias_value
 
 
 def _each_sequence(q, k, v, lens_q, lens_k, is_causal, scale, config, return_lse):

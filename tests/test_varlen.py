@@ -167,3 +167,19 @@ def test_the_per_sequence_path_equals_the_packed_one():
     packed = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 64, 64, is_causal=True, config=CONFIG)
     each = api._each_sequence(q, k, v, lens, lens, True, None, CONFIG, False)
     assert torch.equal(packed, each)
+
+
+def test_flash_attention_keywords_switch_by_import():
+    """flash_attn_varlen_func's causal= and softmax_scale= are is_causal= and scale=; two values that disagree are
+    named, not silently resolved."""
+    lens = [9, 30]
+    q, k, v = _packed(lens, 4, 64, 19), _packed(lens, 2, 64, 20), _packed(lens, 2, 64, 21)
+    ours = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, is_causal=True, scale=0.1, config=CONFIG)
+    flash_style = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, causal=True, softmax_scale=0.1,
+                                        config=CONFIG)
+    assert torch.equal(ours, flash_style)
+    assert not torch.equal(ours, sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, config=CONFIG))
+    with pytest.raises(ValueError, match="is_causal=True and causal=False disagree"):
+        sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, is_causal=True, causal=False)
+    with pytest.raises(ValueError, match="scale=0.1 and softmax_scale=0.2 disagree"):
+        sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, scale=0.1, softmax_scale=0.2)
