@@ -215,7 +215,9 @@ def site_name(node: torch.fx.Node, seen: dict) -> str:
     path = "<top>"
     if stack:
         path = str(list(stack.values())[-1][0])
-        path = re.sub(r"^(L\['[^']*'\]|self)\.?", "", path) or "<top>"
+        # the root module as Dynamo reached it: L['self'], a closure's L['target'], or L['args'][0] where a decorator
+        # passes self on through *args (transformers' models) — the same module, so the same name
+        path = re.sub(r"^(L\['[^']*'\](\[\d+\])*|self)\.?", "", path) or "<top>"
     index = seen.get(path, 0)
     seen[path] = index + 1
     return f"{path}#{index}"

@@ -244,3 +244,32 @@ def test_a_per_step_plan_runs_each_steps_rung_in_one_graph(tmp_path):
     assert "+ per step" in str(sage_compile.explain(model, x, config=config))
     if hasattr(torch.Tag, "cudagraph_unsafe"):  # a captured graph would replay one step's rungs
         assert torch.Tag.cudagraph_unsafe in torch.ops.sage.planned_attention.default.tags
+
+
+def test_a_plan_reaches_sites_of_a_model_whose_forward_takes_self_through_args():
+    """transformers wraps its models' forward in decorators taking ``*args``: Dynamo then names the root module
+    L['args'][0], not L['self']. The site names must not depend on it, or a plan calibrated on the model would name
+    sites the compiled model never looks up (and silently run the config's own scheme)."""
+    import functools
+
+    def passes_self_through_args(forward):
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
+            return forward(*args, **kwargs)
+        return wrapped
+
+    class Wrapped(DemoTransformer):
+        forward = passes_self_through_args(DemoTransformer.forward)
+
+    torch.manual_seed(0)
+    model = Wrapped(layers=2, dim=64, heads=4).bfloat16().eval()
+    x = torch.randn(2, 300, 64, dtype=torch.bfloat16)
+    plan = Plan({"blocks.0.attn#0": "per_thread", "blocks.1.attn#0": "sdpa"})
+    config = SageConfig(min_seq_len=0, inner_backend="aot_eager")
+    assert [site.name for site in sage_compile.explain(model, x, config=config).sites] == list(plan.sites)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        sage_compile.compile(model, config=config.replace(plan=plan))(x)
+    assert counters["sage"]["sites_replaced"] == 1 and counters["sage"]["sites_kept_sdpa"] == 1
