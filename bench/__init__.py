@@ -1,7 +1,7 @@
 """sage_compile's benchmarks, installed as ``sage_compile.bench``: ``python -m sage_compile bench <name> ...``.
 
-The GPU benchmarks (kernel, e2e, models) need CUDA and Triton; ``accuracy`` runs on the CPU (the exact C++
-reference of the numerics spec); ``report`` renders the results page from the recorded JSON files.
+The GPU benchmarks (kernel, e2e, models) need CUDA and Triton; ``accuracy`` (real models) and ``spec`` run on the CPU
+(the exact C++ reference of the numerics spec); ``report`` renders the results page from the recorded JSON files.
 """
 
 # name on the command line → (module in this package, one line of help)
@@ -18,8 +18,8 @@ BENCHMARKS = {
                                                    "one GPU; GPUs (NCCL)"),
     "varlen": ("varlen_bench", "a ragged batch: sage_attention_varlen (packed) vs padded, per-sequence and "
                                "FlashAttention's varlen; GPU"),
-    "perplexity": ("perplexity", "perplexity of a real small LLM (SmolLM2-135M, offline GGUF) per attention numerics; "
-                                 "CPU or GPU"),
-    "accuracy": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
+    "accuracy": ("accuracy", "real models shipped on PyPI (Qwen2.5, Gemma 3, SmolLM2, MiniLM): perplexity or embedding "
+                             "cosine of the default numerics vs bf16 SDPA, with each site's cosine; CPU or GPU"),
+    "spec": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
     "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
 }

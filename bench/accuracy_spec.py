@@ -27,13 +27,13 @@ from . import recording
 from .distributions import DISTRIBUTIONS, accuracy_metrics, sample_qkv
 
 SHAPE = (1, 8, 4096, 128)
-CONFIGS = (  # label → scheme fields (the rest the defaults: K per_thread)
+CONFIGS = (  # label → scheme fields (the rest the defaults: K per token)
     ("pv=fp8 (the default)", {}),
+    ("pv=fp8, K per_thread", dict(k_granularity="per_thread")),
     ("pv=fp8, μK over all keys", dict(k_mean_sample=0)),
     ("pv=fp8, smooth_v", dict(smooth_v=True)),
     ("pv=fp16", dict(pv="fp16")),
     ("pv=fp16, K per-token", dict(pv="fp16", k_granularity="per_token")),
-    ("pv=fp8, K per-token", dict(k_granularity="per_token")),
     ("pv=fp8, K per_block64", dict(k_granularity="per_block", k_block=64)),
     ("qk=pv=fp4 (NVFP4)", dict(qk="fp4", pv="fp4")),
     ("qk=int4, K per-token", dict(qk="int4", smooth_q=True, k_granularity="per_token")),

@@ -7,7 +7,7 @@ inputs; plus the prep alone against its memory floor, and accuracy on the three 
     python -m sage_compile bench e2e --producer qknorm_interleaved --n 4096,16384 --d 128 --causal 0
     python -m sage_compile bench e2e --mask key_padding --causal 0
 
-Columns: inductor; sage (fused prep, per-token K scales); sage_pt (k_granularity="per_thread": the default numerics);
+Columns: inductor; sage (fused prep, per-token K scales: the default numerics); sage_pt (k_granularity="per_thread": the faster kernel);
 sage_generic (fuse_rope=False: Inductor's own fusion of the prep, per-token K); default (``SageConfig()`` as shipped:
 the measured thresholds decide, ``chose`` says what it ran — "sage" or "sdpa" — from ``explain``); with the default
 producer also the prep alone (generic and fused), the rotary alone, and the prep's memory floor.

@@ -8,7 +8,7 @@ q, k, v bf16 [B, H, N, D]):
 * ``cudnn`` — F.scaled_dot_product_attention with the cuDNN backend;
 * ``sage`` — ``sage_attention(..., config=SageConfig(min_seq_len=0, k_granularity="per_token"))``: forced to sage,
   per-token K;
-* ``sage_pt`` — ``SageConfig(min_seq_len=0)``: the default numerics (per_thread K), forced to sage;
+* ``sage_pt`` — ``SageConfig(min_seq_len=0)``: k_granularity="per_thread" (the faster kernel), forced to sage;
 * ``default`` — ``sage_attention(...)`` with the default config: sage or SDPA as the measured thresholds choose
   (the ``chose`` column says which);
 * ``compiled`` — ``torch.compile`` of a function that only calls ``sage_attention`` (the default numerics,

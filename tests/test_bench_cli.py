@@ -10,7 +10,7 @@ from sage_compile.__main__ import main
 from sage_compile.bench import BENCHMARKS
 from sage_compile.bench.recording import device_slug
 
-NAMES = ("kernel", "int4", "eager", "e2e", "models", "accuracy", "context_parallel", "varlen", "perplexity", "report")
+NAMES = ("kernel", "int4", "eager", "e2e", "models", "accuracy", "context_parallel", "varlen", "spec", "report")
 
 
 def test_bench_help_lists_every_benchmark():

@@ -384,7 +384,7 @@ def test_nvfp4_prepare_keeps_the_special_value_rules():
     assert p.k_scale[1, 0, 9].isnan() and (p.k[1, 0, 9] == 0).all()
     assert p.v_scale[0, 0, 5].isnan() and (p.v[0, 0, 5] == 0).all() and (p.v_block_scale[0, 0, 5].float() == 0).all()
     assert p.q_scale.isnan().sum() == 1 and p.v_scale.isnan().sum() == 1
-    assert not p.k_scale[0].isnan().any() and p.k_scale[1].isnan().sum() == 12  # key 9's per_thread group (default K)
+    assert not p.k_scale[0, :, :40].isnan().any() and p.k_scale[1].isnan().sum() == 1  # key 9's own δ (per-token K)
     assert not p.k_block_scale.float().isnan().any() and not p.v_block_scale.float().isnan().any()
     out = spec.reference_attention(q, k, v, quant=FP4, kv_lens=torch.tensor([40, 50]))
     assert out[0, 1, 7].isnan().all() and out[1, :, :, :].isnan().all() and out[0, :, :, 5].isnan().all()
