@@ -122,8 +122,9 @@ if _nvcc():
         ext_modules.append(NvccExtension("sage_compile._sm89", SM89_SOURCES, archs & KERNEL_ARCHS["_sm89"]))
 
 setup(
-    packages=["sage_compile", "sage_compile.kernels", "sage_compile.kernels.backward", "sage_compile.integrations",
-              "sage_compile.passes", "sage_compile.bench"],
+    packages=["sage_compile", "sage_compile.numerics", "sage_compile.kernels", "sage_compile.kernels.backward",
+              "sage_compile.policy", "sage_compile.ops", "sage_compile.integrations", "sage_compile.passes",
+              "sage_compile.bench"],
     package_dir={"sage_compile": "sage_compile", "sage_compile.passes": "passes", "sage_compile.bench": "bench"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExt},

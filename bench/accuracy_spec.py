@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from sage_compile import spec
+from sage_compile.numerics import spec
 from sage_compile import kernels
 from sage_compile.kernels import KernelArgs, cpu
 
@@ -94,12 +94,12 @@ def _run_spec(q, k, v, quant):
 def _result(rows, **fields):
     env = recording.environment(device="cpu")
     env["device"] = f"CPU ({os.uname().machine})"  # the reference is exact: the CPU model does not matter
-    return dict(**env, shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/spec.py)",
+    return dict(**env, shape=list(SHAPE), kernel="cpu (C++ reference, bit-exact with sage_compile/numerics/spec.py)",
                 output_dtype="bfloat16", rows=rows, **fields)
 
 
 def k_mean_sample_sweep(opts):
-    from sage_compile import prep
+    from sage_compile.kernels import prep
 
     from .e2e_bench import rope_tables
 

@@ -123,7 +123,7 @@ def _kernels_fwd_bwd(prepared_sets, grad_out, causal, d):
     """sage's two kernels alone: sage.quantized_attention (with the training forward's scheme), then
     sage.attention_backward — both preps (the forward's and the backward's dÔ, D, K̂ᶜ) made once per input set
     beforehand."""
-    from sage_compile import spec
+    from sage_compile.numerics import spec
 
     def forward(p):
         return torch.ops.sage.quantized_attention(p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, None,
@@ -152,7 +152,8 @@ def _sdpa_call(causal: bool):
 
 def speed_rows(ns, ds, causals):
     import sage_compile
-    from sage_compile import SageConfig, spec
+    from sage_compile import SageConfig
+    from sage_compile.numerics import spec
     from sage_compile.kernels.backward import sage as sage_family
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sage_compile import SageConfig, sage_attention
-from sage_compile.distributed import _all_to_all, gather_sequence, ring_attention, shard_sequence, ulysses_attention
+from sage_compile.distributed import gather_sequence, ring_attention, shard_sequence, ulysses_attention
+from sage_compile.ops.context_parallel import _all_to_all
 
 from . import recording
 from .distributions import accuracy_metrics

@@ -108,7 +108,7 @@ def column_block(causal: bool, column: str, producer: str = "half", masked: bool
 
 
 def prep_only(xq, xk, v, cos, sin):
-    from sage_compile import spec
+    from sage_compile.numerics import spec
 
     q = rope(xq, cos, sin).transpose(1, 2)
     k = rope(xk, cos, sin).transpose(1, 2)
@@ -117,9 +117,10 @@ def prep_only(xq, xk, v, cos, sin):
 
 
 def prep_fused(xq, xk, v, cos, sin):
-    """The fused rope prep (sage_compile/prep.py) on the same inputs: what backend="sage" runs for this
+    """The fused rope prep (sage_compile/kernels/prep.py) on the same inputs: what backend="sage" runs for this
     producer when the rotary is absorbed (tables broadcast and transposed as the pass does)."""
-    from sage_compile import prep, spec
+    from sage_compile.kernels import prep
+    from sage_compile.numerics import spec
 
     def tables(x):
         c, s = (t.expand(*x.shape[:-1], x.shape[-1] // 2).transpose(1, 2) for t in (cos, sin))
@@ -260,7 +261,9 @@ def _main(argv=None):
     sage_columns = () if opts.default_only else ("sage", "sage_generic", "sage_pt")
 
     import sage_compile
-    from sage_compile import SageConfig, dispatch, spec
+    from sage_compile import SageConfig
+    from sage_compile.kernels import dispatch
+    from sage_compile.numerics import spec
 
     bandwidth = copy_bandwidth()
     results = dict(**recording.environment(), static=opts.static, producer=opts.producer, mask=opts.mask, pv=opts.pv,

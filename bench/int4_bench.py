@@ -58,7 +58,7 @@ def _kernel_calls(kargs, out, lse, tk, sm90, sm89) -> dict:
 
 def main(argv=None):
     opts = _parse(argv)
-    from sage_compile import spec
+    from sage_compile.numerics import spec
     from sage_compile.kernels import triton as tk
 
     sm90, sm89 = _load_sm90(), _load_sm89()

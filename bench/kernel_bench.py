@@ -111,7 +111,7 @@ def _outputs(batch, heads, n, d):
 def _precompile_worker(job):
     """Compile (and run once) one config on a small input: fills Triton's on-disk cache for the parent."""
     d, causal, cfg_text = job
-    from sage_compile import spec
+    from sage_compile.numerics import spec
     from sage_compile.kernels import triton as tk
     try:
         heads = SHAPES[d]
@@ -197,7 +197,7 @@ def _load_sm90():
 
 def main(argv=None):
     opts = _parse(argv)
-    from sage_compile import spec
+    from sage_compile.numerics import spec
     from sage_compile.kernels import triton as tk
     sm90 = _load_sm90()
 

@@ -50,7 +50,8 @@ def _flash_varlen():
 
 
 def _columns(q, k, v, lens, causal: bool) -> dict:
-    from sage_compile import SageConfig, sage_attention, sage_attention_varlen, varlen  # noqa: F401 (registers ops)
+    from sage_compile import SageConfig, sage_attention, sage_attention_varlen
+    from sage_compile.ops import varlen  # noqa: F401 (registers ops)
 
     config = SageConfig(min_seq_len=0)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=q.device)

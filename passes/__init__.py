@@ -15,11 +15,18 @@ Stage 2 runs inside Inductor, on the joint graph (aten IR), handed over as a Cus
 * ``rewrite_sdpa_variants`` — the SDPA variants Inductor's own fuse_attention made from attention that stage 1
   did not see → sage.attention's decomposition.
 
-``helpers`` holds what the passes share; ``graph_pass`` the CustomGraphPass plumbing.
+``helpers`` holds what the passes share; ``SagePass`` below is the CustomGraphPass plumbing.
 """
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
 from .absorb_rope import absorb_rope
 from .document_mask import rewrite_document_masks
-from .graph_pass import SagePass
 from .match_manual_attention import match_manual_attention
 from .rewrite_sdpa import rewrite_sdpa
 from .rewrite_sdpa_variants import rewrite_sdpa_variants
@@ -40,3 +47,26 @@ def stage2_patches(config, report):
     passes (fuse_attention among them), so the SDPA variants they made are there to rewrite. One callable per
     hook: torch 2.11 takes no list there."""
     return {"joint_custom_post_pass": SagePass(rewrite_sdpa_variants, config, report)}
+
+
+# CustomGraphPass plumbing: Inductor hands our stage-2 passes the graph, and caches key on ``uuid``.
+@functools.lru_cache(maxsize=None)
+def source_files() -> tuple:
+    """Every Python source of sage_compile and its passes: any change must invalidate cached graphs
+    (the decomposition of sage.attention lives there too, and AOTAutograd's cache would not see it)."""
+    package = Path(importlib.util.find_spec("sage_compile").origin).parent  # imported already: our parent package
+    roots = {package.resolve(), Path(__file__).parent.resolve()}
+    return tuple(sorted(str(p) for root in roots for p in root.rglob("*.py")))
+
+
+class SagePass(CustomGraphPass):
+    """Runs ``fn(graph, config, report)``; uuid = hash(our sources, the config)."""
+
+    def __init__(self, fn, config, report):
+        self.fn, self.config, self.report = fn, config, report
+
+    def __call__(self, graph) -> None:
+        self.fn(graph, self.config, self.report)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(source_files(), extra=f"{self.fn.__name__}:{self.config!r}")

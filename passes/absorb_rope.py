@@ -1,5 +1,5 @@
 """Stage 1c (Dynamo graph, torch IR): sage.attention whose q and k are made by a rotary (and, before it, a per-head
-RMS norm) → sage.rope_attention, so the producers run inside the fused prep (sage_compile/prep.py) instead of
+RMS norm) → sage.rope_attention, so the producers run inside the fused prep (sage_compile/kernels/prep.py) instead of
 Inductor's generic fusion of the prep into them.
 
 Matched, as models write it (operands of * and + in either order; h = D/2):
@@ -17,9 +17,9 @@ update, as transformers' DynamicCache does in prefill). Before the rotary, throu
 last, an RMS norm over the head dim (QK-norm: Qwen3, Gemma 3, SD3/Flux in diffusers) is absorbed too:
 F.rms_norm / nn.RMSNorm, or x·rsqrt(mean(x², -1, keepdim) + eps) times an optional weight of shape [D] (HF's
 ``weight * h.to(dtype)``, Gemma's ``(1 + weight)``). Both q and k must match, with the same rotary form (the
-interleaved form leaves Q's and K's channels permuted alike: prep.py); anything else keeps the generic path.
+interleaved form leaves Q's and K's channels permuted alike: kernels/prep.py); anything else keeps the generic path.
 Casts inside the producer (x.float(), .to(x.dtype), type_as) are seen through: the fused prep keeps the chain in
-fp32, skipping those roundings (prep.py). The rotary nodes are removed when nothing else uses them (a KV cache
+fp32, skipping those roundings (kernels/prep.py). The rotary nodes are removed when nothing else uses them (a KV cache
 that stores the rotated k keeps them: the prep then recomputes the rotary, which is cheaper than reading it back).
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from sage_compile import prep
-from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport
+from sage_compile.kernels import prep
+from sage_compile.policy.config import SageConfig
+from sage_compile.policy.sites import SiteReport
 
 from .helpers import Node, arg_of, finish_rewrite, is_call, replace_node, strip_casts, value_of
 

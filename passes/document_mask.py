@@ -2,8 +2,8 @@
 
 A packed batch of documents masks attention with ``ids[:, None] == ids[None, :]`` (optionally ``& causal``), the ids
 one integer per token. As a mask that is an N×N read per call and every score computed, though most are masked;
-sage.document_attention runs the documents as one varlen call instead (sage_compile/varlen.py), never forming the mask.
-Matched here, on the nodes that make the mask:
+sage.document_attention runs the documents as one varlen call instead (sage_compile/ops/varlen.py), never forming the
+mask. Matched here, on the nodes that make the mask:
 
 * ``eq(a, b)`` (``==``, torch.eq, Tensor.eq), a and b views of one integer tensor of N ids ([N] or [1, N], shared by
   the batch) — one [.., N, 1], the other [.., 1, N] (indexing with None, unsqueeze, view / reshape);
@@ -20,10 +20,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, judge_site, site_name
-from sage_compile.support import AttentionCall, needs_grad, unsupported_reason
-from sage_compile.varlen import scheme_problem
+from sage_compile.ops.varlen import scheme_problem
+from sage_compile.policy.config import SageConfig
+from sage_compile.policy.sites import SiteReport, site_name
+from sage_compile.policy.support import AttentionCall, judge_site, needs_grad, unsupported_reason
 
 from .helpers import Node, arg_of, finish_rewrite, is_call, replace_node, value_of
 from .rewrite_sdpa import sdpa_calls

@@ -23,9 +23,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, describe_softmax, judge_site, site_name
-from sage_compile.support import AttentionCall
+from sage_compile.numerics import spec
+from sage_compile.policy.config import SageConfig
+from sage_compile.policy.sites import SiteReport, describe_softmax, site_name
+from sage_compile.policy.support import AttentionCall, judge_site
 
 from .absorb_rope import fused_producer
 from .helpers import Node, arg_of, finish_rewrite, is_call, is_cast, replace_node, single_user, strip_casts, value_of
@@ -202,8 +203,6 @@ def structural_causal(match: "Match") -> Optional[int]:
     """A triu/tril of ones used as a causal mask → the causal mode (no mask to read; blocks skipped).
     masked_fill(triu(ones(Nq, Nk), d), −inf) allows j ≤ i + d − 1; where(tril(ones(Nq, Nk), d), s, −inf)
     allows j ≤ i + d. Offset 0 is SDPA's top-left causal, Nk − Nq bottom-right; anything else stays a mask."""
-    from sage_compile import spec
-
     mask = match.mask
     if match.mask_kind not in ("drop_where_true", "keep_where_true") or not isinstance(mask, Node):
         return None

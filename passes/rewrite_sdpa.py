@@ -10,9 +10,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, describe_site, judge_site, site_name
-from sage_compile.support import AttentionCall, causal_mode, needs_grad
+from sage_compile.policy.config import SageConfig
+from sage_compile.policy.sites import SiteReport, site_name
+from sage_compile.policy.support import AttentionCall, causal_mode, describe_site, judge_site, needs_grad
 
 from .absorb_rope import fused_producer
 from .helpers import finish_rewrite, is_call, replace_node, value_of

@@ -9,11 +9,12 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._inductor.pattern_matcher import fwd_only
 from torch.fx.operator_schemas import normalize_function
 
-from sage_compile.config import SageConfig
-from sage_compile.sites import SiteReport, judge_site
-from sage_compile.support import AttentionCall, causal_mode
+from sage_compile.policy.config import SageConfig
+from sage_compile.policy.sites import SiteReport
+from sage_compile.policy.support import AttentionCall, causal_mode, judge_site
 
 from .helpers import is_call, value_of
 from .rewrite_sdpa import SDPA_TARGETS as SDPA_CALLS
@@ -73,8 +74,6 @@ def _analyse(node: torch.fx.Node):
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, call: AttentionCall, config: SageConfig) -> None:
     """Trace sage.attention's decomposition for these inputs and copy it in before ``node``: this pass runs after
     AOTAutograd, so the op must arrive already decomposed (the prep in aten + sage.quantized_attention)."""
-    from torch._inductor.pattern_matcher import fwd_only
-
     kwargs = dict(scale=call.scale, causal=causal_mode(call.is_causal), **config.op_kwargs())
 
     def masked(q, k, v, attn_mask):

@@ -2,18 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from .backend import collect_reports
+from .bench import BENCHMARKS
+from .calibration import calibrate as run_calibration
+from .demo_model import DemoTransformer
+from .kernels import KernelSite, dispatch
+from .numerics import spec
+from .numerics.scheme import Scheme
+from .policy.plan import Target
 
 
 def doctor(_args) -> int:
     """What runs on this machine: the kernel families built, and the one each device's attention gets."""
-    import torch
-
-    from . import dispatch
-    from .scheme import Scheme
-
     gpus = torch.cuda.device_count()
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}; "
           + (f"{gpus} CUDA device(s)" if gpus else "no CUDA device: attention runs on the CPU kernel"))
@@ -44,11 +53,6 @@ def doctor(_args) -> int:
 
 def _runs(device, head_dim: int, scheme) -> str:
     """What a bf16 site of this head dim and scheme runs on ``device``, in words."""
-    import torch
-
-    from . import dispatch, spec
-    from .kernels import KernelSite
-
     site = KernelSite(scheme, device, torch.bfloat16, spec.padded_head_dim(head_dim))
     kernel, _ = dispatch.kernel_for_site(site)
     if kernel is None:
@@ -59,12 +63,6 @@ def _runs(device, head_dim: int, scheme) -> str:
 
 def demo(args) -> int:
     """A small transformer compiled with backend="sage" (found through the entry point)."""
-    import torch
-    import torch.nn.functional as F
-
-    from .backend import collect_reports
-    from .demo_model import DemoTransformer
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = DemoTransformer(layers=args.layers).to(device=device, dtype=torch.bfloat16).eval()
@@ -72,7 +70,7 @@ def demo(args) -> int:
     print(f"demo: {args.layers}-layer transformer (dim {model.dim}, {model.heads} heads, GQA in odd layers, "
           f"causal in every other layer), x {tuple(x.shape)} bf16 on {device}")
     start = time.perf_counter()
-    # min_seq_len=0: show the replacement even where the measured thresholds (thresholds.py) would keep
+    # min_seq_len=0: show the replacement even where the measured thresholds (kernels/thresholds.py) would keep
     # SDPA on a GPU for such short sequences
     with torch.no_grad(), collect_reports() as reports:
         compiled = torch.compile(model, backend="sage", options={"min_seq_len": 0})
@@ -99,10 +97,6 @@ def demo(args) -> int:
 def calibrate(args) -> int:
     """calibrate MODEL INPUTS -o plan.json: a per-site precision plan (sage_compile.calibrate) for the model a
     ``module:function`` builds, on the inputs (or loader) another returns."""
-    import importlib
-
-    from .plan import Target, calibrate as run_calibration
-
     def load(spec: str):
         module, _, name = spec.partition(":")
         if not name:
@@ -120,13 +114,7 @@ def calibrate(args) -> int:
 
 def bench(args) -> int:
     """bench <name> [options]: the benchmarks of sage_compile.bench (kernel, e2e and models need CUDA)."""
-    import importlib
-
-    from .bench import BENCHMARKS
-
     if args.which in ("kernel", "eager", "e2e", "models"):
-        import torch
-
         if not torch.cuda.is_available():
             print(f"bench {args.which}: needs a CUDA GPU (none visible); `bench accuracy` runs on the CPU and "
                   "`bench report` renders the recorded results")
@@ -136,16 +124,10 @@ def bench(args) -> int:
 
 
 def _target_defaults() -> dict:
-    from dataclasses import asdict
-
-    from .plan import Target
-
     return asdict(Target())
 
 
 def main(argv=None) -> int:
-    from .bench import BENCHMARKS
-
     script = os.path.basename(sys.argv[0])  # the console script (sage-compile) or python -m sage_compile
     prog = script if script.startswith("sage-compile") else "python -m sage_compile"
     parser = argparse.ArgumentParser(prog=prog, description="sage_compile: 8-bit attention for torch.compile")

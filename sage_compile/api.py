@@ -6,8 +6,11 @@ from typing import Optional
 
 import torch
 
-from . import spec
-from .config import SageConfig
+from .backend import sage_backend
+from .numerics import spec
+from .ops import varlen
+from .ops.attention import DEFAULT_CONFIG, run_attention
+from .policy.config import SageConfig
 
 
 def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
@@ -17,8 +20,6 @@ def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
     """
     if model is None:
         return functools.partial(compile, config=config, **compile_kwargs)
-    from .backend import sage_backend
-
     options = dict(compile_kwargs.pop("options", None) or {})
     if options or config is not None:  # torch.compile refuses mode= beside options=: carry it inside
         mode = compile_kwargs.pop("mode", None)
@@ -30,9 +31,6 @@ def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
         options["sage_config"] = config
     SageConfig.from_options(options)  # bad keys and values fail here, not at the first call
     return torch.compile(model, backend=sage_backend, options=options or None, **compile_kwargs)
-
-
-_DEFAULT_CONFIG = SageConfig()
 
 
 def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -49,14 +47,10 @@ def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     scaled, masked scores (−inf for a row that sees no key) — enough to merge attentions over parts of the keys
     (``sage_compile.merge_attention``). Inference only (no grad), no dropout.
     """
-    from . import ops  # noqa: F401  (registers the ops on first use)
-
     if causal_alignment not in _ALIGNMENTS:
         raise ValueError(f"causal_alignment={causal_alignment!r}: expected one of {sorted(_ALIGNMENTS)}")
     causal = _ALIGNMENTS[causal_alignment] if is_causal else spec.CAUSAL_NONE
-    config = _DEFAULT_CONFIG if config is None else config
-    op = torch.ops.sage.attention_with_lse if return_lse else torch.ops.sage.attention
-    return op(query, key, value, attn_mask, dropout_p, scale, causal, enable_gqa, **config.op_kwargs())
+    return run_attention(query, key, value, attn_mask, dropout_p, scale, causal, enable_gqa, config, return_lse)
 
 
 def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -80,12 +74,10 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     What the packed kernel cannot run — inputs that require grad, schemes with ``smooth_q``, calls sage_attention would
     send to SDPA (fp32 without allow_fp32, ...) — runs as one ``sage_attention`` per sequence, which reports its own
     fallbacks; the counter ``sage.varlen_per_sequence`` counts those calls, ``sage.varlen_packed`` the others."""
-    from . import varlen
-
     is_causal = _one_of("is_causal", is_causal, False, "causal", causal)
     scale = _one_of("scale", scale, None, "softmax_scale", softmax_scale)
     _check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    config = _DEFAULT_CONFIG if config is None else config
+    config = DEFAULT_CONFIG if config is None else config
     causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
     counters = torch._dynamo.utils.counters["sage"]
     bounds = (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q), ("cu_seqlens_k", cu_seqlens_k, k.shape[0],

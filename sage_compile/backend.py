@@ -10,9 +10,16 @@ import logging
 from typing import Any, Dict, List, Optional
 
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor import list_mode_options
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 
-from .config import SageConfig
-from .sites import SiteReport
+from . import ops  # noqa: F401  (registers sage::attention / sage::quantized_attention)
+from .passes import run_stage1, stage2_patches
+from .policy.config import SageConfig
+from .policy.sites import SiteReport
 
 log = logging.getLogger("sage_compile")
 _report_sinks: List[List[SiteReport]] = []
@@ -31,9 +38,6 @@ def collect_reports():
 
 def sage_backend(gm: torch.fx.GraphModule, example_inputs, mode: Optional[str] = None,
                  options: Optional[Dict[str, Any]] = None):
-    from . import ops  # noqa: F401  (registers sage::attention / sage::quantized_attention)
-    from .passes import run_stage1
-
     config, inductor_options = SageConfig.from_options(options)
     mode = inductor_options.pop("mode", None) or mode  # sage_compile.compile carries mode= here
     report = SiteReport()
@@ -54,20 +58,12 @@ def compile_inner(gm, example_inputs, config: SageConfig, mode, inductor_options
             raise ValueError(f"options {sorted(inductor_options)} are unknown to SageConfig "
                              f"and inner_backend='aot_eager' takes none")
         return aot_with_joint_passes(gm, example_inputs, config, report)
-    from torch._inductor.compile_fx import compile_fx
-
     return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, inductor_options, report))
 
 
 def aot_with_joint_passes(gm, example_inputs, config: SageConfig, report: SiteReport):
     """AOTAutograd + Inductor's joint-graph passes (its fuse_attention, then our stage 2), run eagerly:
     every site the inductor path would find, without code generation (fast; used by explain and tests)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-
-    from .passes import stage2_patches
-
     def forward_compiler(graph_module, _inputs):
         with torch._inductor.config.patch(stage2_patches(config, report)):
             joint_graph_passes(graph_module)
@@ -82,10 +78,6 @@ def aot_with_joint_passes(gm, example_inputs, config: SageConfig, report: SiteRe
 def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: Dict[str, Any],
                      report: SiteReport) -> Dict[str, Any]:
     """mode= and the non-sage options= as Inductor config patches, plus our stage-2 passes."""
-    from torch._inductor import list_mode_options
-
-    from .passes import stage2_patches
-
     patches: Dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options)
     for key, value in stage2_patches(config, report).items():

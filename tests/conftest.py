@@ -26,9 +26,9 @@ def pytest_collection_modifyitems(config, items):
 def _fresh_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    from sage_compile import sites
+    from sage_compile.numerics import notices
 
-    sites._warned.clear()  # each test sees its own once-per-reason warnings
+    notices._warned.clear()  # each test sees its own once-per-reason warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*slow pure-PyTorch reference kernel.*")
         yield

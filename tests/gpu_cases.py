@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sage_compile.bench.distributions import accuracy_metrics, sample_qkv
 from helpers import cosine, rel_l1
-from sage_compile import spec
+from sage_compile.numerics import spec
 from sage_compile.kernels import KernelArgs
 
 DEV = torch.device("cuda")
@@ -112,7 +112,7 @@ def draw_kv_lens(draw, batch, n_k):
 
 
 def poisoned_outputs(args):
-    """Outputs laid out like ops._empty_outputs (out [B,Hq,Nq,D] over [B,Nq,Hq,D] memory), filled NaN."""
+    """Outputs laid out like ops.quantized._empty_outputs (out [B,Hq,Nq,D] over [B,Nq,Hq,D] memory), filled NaN."""
     batch, hq, n_q, _ = args.q.shape
     out = torch.full((batch, n_q, hq, args.head_dim), math.nan, dtype=args.out_dtype, device=DEV).transpose(1, 2)
     lse = torch.full((batch, hq, n_q), math.nan, dtype=torch.float32, device=DEV)

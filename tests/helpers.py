@@ -49,9 +49,9 @@ def random_masking(kind, batch, n_q, n_k, dtype, seed, every_row_sees_a_key=True
 def backward_args(q, k, v, grad_out, causal=0, kv_lens=None, attn_mask=None, scale=None):
     """sage::attention_backward's arguments (spec.attention_backward_reference's, by name), from the spec end to end:
     prepare (the sage backward family's forward scheme) → forward reference (out, lse) → prepare_backward."""
-    from sage_compile import spec
+    from sage_compile.numerics import spec
     from sage_compile.kernels.backward import sage as sage_family
-    from sage_compile.scheme import Scheme
+    from sage_compile.numerics.scheme import Scheme
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     p = spec.prepare(q, k, v, scale, sage_family.forward_scheme(Scheme()), kv_lens)

@@ -6,7 +6,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sage_compile import spec
+from sage_compile.numerics import spec
 
 FP16_MAX = 65504.0
 SPECIALS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -113,11 +113,11 @@ def check_pattern(out: torch.Tensor, nan: torch.Tensor, empty_rows: torch.Tensor
 
 
 def sdpa_reference(case: Case, q, k, v, mask, kv_lens) -> torch.Tensor:
-    """fp32 math SDPA of the same attention (causal / kv_lens folded into the mask as ops.sdpa_fallback does)."""
+    """fp32 math SDPA of the same attention (causal / kv_lens folded into the mask as sdpa_fallback does)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from sage_compile import ops
+    from sage_compile.kernels.sdpa import sdpa_fallback
 
     with sdpa_kernel(SDPBackend.MATH):
-        return ops.sdpa_fallback(q.float(), k.float(), v.float(), None if mask is None else mask.float()
-                                 if mask.dtype != torch.bool else mask, 0.0, None, case.causal, True, kv_lens)
+        return sdpa_fallback(q.float(), k.float(), v.float(), None if mask is None else mask.float()
+                             if mask.dtype != torch.bool else mask, 0.0, None, case.causal, True, kv_lens)

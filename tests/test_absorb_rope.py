@@ -1,4 +1,4 @@
-"""Stage 1c (passes/absorb_rope.py) and the fused rope prep (sage_compile/prep.py), on the CPU: the graph is
+"""Stage 1c (passes/absorb_rope.py) and the fused rope prep (sage_compile/kernels/prep.py), on the CPU: the graph is
 rewritten only where q and k both come from a half-split rotary, and the result is exactly the spec applied
 to the fp32 rotary (the CPU ops are the reference; tests/gpu/test_prep_triton.py holds the Triton kernels
 to them)."""
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-from sage_compile import prep, spec
+from sage_compile.kernels import prep
+from sage_compile.numerics import spec
 from sage_compile.backend import sage_backend
 
 torch.ops.import_module("sage_compile.ops")
@@ -161,7 +162,7 @@ def test_fuse_rope_off_and_other_producers_are_left_alone():
 
 def test_casting_rotary_is_absorbed_skipping_its_rounding():
     """fp32 tables promote the rotary to fp32 and a cast brings it back: the fused prep keeps the fp32 rotary (the
-    cast's rounding skipped, prep.py) — the spec on it exactly, and the generic path (which rounds) to bf16's step."""
+    cast's rounding skipped, kernels/prep.py) — the spec on it exactly, and the generic path (which rounds) to bf16's step."""
     def fn(q, k, v, cos, sin):
         return F.scaled_dot_product_attention(rope_hf(q, cos, sin).to(q.dtype), rope_hf(k, cos, sin).to(k.dtype), v)
 
@@ -442,7 +443,7 @@ def test_the_pass_judges_speed_by_whether_the_rotary_will_be_fused(monkeypatch):
     prep absorbs reads the fused-producer thresholds, a plain one MEASURED_STANDALONE (its prep a pass of its own),
     one with a QK-norm before the rotary MEASURED_QK_NORM — so the report says what the op will run. Thresholds
     stubbed: 0 behind a rotary alone, never standalone or behind a QK-norm."""
-    from sage_compile import thresholds
+    from sage_compile.kernels import thresholds
 
     monkeypatch.setattr(thresholds, "min_seq_len",
                         lambda *args, compiled: 0 if args[-1] == "rotary" else thresholds.NEVER)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from helpers import attention_shapes, cosine, random_qkv
 import sage_compile
-from sage_compile import SageConfig, UnsupportedAttentionError, sage_attention, spec
+from sage_compile import SageConfig, UnsupportedAttentionError, sage_attention
+from sage_compile.numerics import spec
 
 
 def _sdpa_fp32(q, k, v, **kw):

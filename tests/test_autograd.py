@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from helpers import SelfAttention, attention_shapes, cosine, random_qkv
 import sage_compile
-from sage_compile import SageConfig, sage_attention, spec
+from sage_compile import SageConfig, sage_attention
+from sage_compile.numerics import spec
 from sage_compile.kernels import backward as backward_kernels
 
 

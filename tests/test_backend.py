@@ -14,7 +14,7 @@ import sage_compile
 from sage_compile import SageConfig
 from sage_compile.backend import inductor_patches, sage_backend
 from sage_compile.demo_model import DemoTransformer
-from sage_compile.sites import SiteReport
+from sage_compile.policy.sites import SiteReport
 
 FAST = {"inner_backend": "aot_eager"}  # AOTAutograd decomposes sage.attention; no Inductor codegen
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import SelfAttention, attention_shapes, backward_args, cosine, random_masking, random_qkv, rel_l1
-from sage_compile import SageConfig, ops, sage_attention, spec  # noqa: F401 (ops registers sage::*)
-from sage_compile.scheme import Scheme
+from sage_compile import SageConfig, ops, sage_attention  # noqa: F401 (ops registers sage::*)
+from sage_compile.numerics import spec
+from sage_compile.numerics.scheme import Scheme
 
 SAGE_BWD = SageConfig(min_seq_len=0, backward="sage", fallback="error")
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import attention_shapes, backward_args, random_masking, random_qkv
-from sage_compile import ops, spec  # noqa: F401 (ops registers sage::*)
+from sage_compile import ops  # noqa: F401 (ops registers sage::*)
+from sage_compile.numerics import spec
 from sage_compile.kernels import backward
 
 cpu_bwd = pytest.importorskip("sage_compile.kernels.backward.cpu")
@@ -81,7 +82,7 @@ _PEAK_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import backward_args, random_qkv
-from sage_compile import spec
+from sage_compile.numerics import spec
 from sage_compile.kernels.backward import cpu as cpu_bwd
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import random_qkv
-from sage_compile import scheme, spec
+from sage_compile.numerics import scheme, spec
 from sage_compile import kernels
 from sage_compile.kernels import KernelArgs, check_inputs, cpu
 
@@ -407,7 +407,7 @@ def test_strided_inputs_and_outputs_give_the_same_bits():
     strided = dataclasses.replace(args, **{name: _strided_copy(getattr(args, name), perm)
                                            for name, perm in layouts.items()})
     batch, hq, n_q, d = expected_out.shape
-    out_buffer = torch.full((batch, n_q, hq, d + 5), 7.0, dtype=torch.float16)  # ops.py's [B,Nq,Hq,D] layout
+    out_buffer = torch.full((batch, n_q, hq, d + 5), 7.0, dtype=torch.float16)  # ops/quantized.py's [B,Nq,Hq,D] layout
     out = out_buffer[..., :d].transpose(1, 2)
     lse = torch.full((n_q, hq, batch), math.nan).permute(2, 1, 0)
     _run_cpu(strided, out, lse)

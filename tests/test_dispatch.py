@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import random_qkv
-from sage_compile import dispatch, kernels, spec
+from sage_compile import kernels
+from sage_compile.kernels import dispatch
+from sage_compile.numerics import spec
 from sage_compile.kernels import KERNEL_MODULES, KernelArgs, mask_problem
 
 
@@ -76,7 +78,7 @@ def test_supports_is_pure_and_speaks_of_the_scheme():
 
 def test_thresholds_follow_the_k_granularity(monkeypatch):
     """per_thread K runs a faster sm90 instantiation, with its own measured table; CPU never waits."""
-    from sage_compile import thresholds
+    from sage_compile.kernels import thresholds
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
@@ -94,8 +96,9 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
     """A site whose prep is a pass of its own reads MEASURED_STANDALONE eagerly (the fused prep kernels) and
     MEASURED_COMPILED_STANDALONE compiled (Inductor's fusion of the aten prep): neither starts earlier than behind a
     fused producer, the compiled one not earlier than the eager one, and sdpa_is_faster asks for the right one."""
-    from sage_compile import SageConfig, thresholds
-    from sage_compile.support import AttentionCall, sdpa_is_faster
+    from sage_compile import SageConfig
+    from sage_compile.kernels import thresholds
+    from sage_compile.policy.support import AttentionCall, sdpa_is_faster
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
@@ -125,8 +128,9 @@ def test_sites_without_a_fused_producer_read_their_own_thresholds(monkeypatch):
 def test_sites_behind_a_qk_norm_read_their_own_thresholds(monkeypatch):
     """A fused producer with a QK-norm (its prep reduces each row before the rotary) has its own table, never earlier
     than the rotary's alone, for either K granularity, and sdpa_is_faster names the measurement it used."""
-    from sage_compile import SageConfig, thresholds
-    from sage_compile.support import AttentionCall, sdpa_is_faster
+    from sage_compile import SageConfig
+    from sage_compile.kernels import thresholds
+    from sage_compile.policy.support import AttentionCall, sdpa_is_faster
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
@@ -148,7 +152,7 @@ def test_thresholds_of_masked_sites(monkeypatch):
     """A site with an attn_mask has its own measured table: a mask with one row for all queries (key padding)
     from MEASURED_KEY_MASK; an fp32 mask with a row per query never (measured slower); a bool one per query
     the unmasked table."""
-    from sage_compile import thresholds
+    from sage_compile.kernels import thresholds
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
@@ -167,8 +171,9 @@ def test_thresholds_of_masked_sites(monkeypatch):
 def test_masked_threshold_reasons_name_the_mask(monkeypatch):
     """explain()'s reason for a masked site kept as SDPA says which masked measurement decided it (the
     thresholds of a Hopper GPU, asked for meta tensors standing in for CUDA ones)."""
-    from sage_compile import SageConfig, thresholds
-    from sage_compile.support import AttentionCall, sdpa_is_faster
+    from sage_compile import SageConfig
+    from sage_compile.kernels import thresholds
+    from sage_compile.policy.support import AttentionCall, sdpa_is_faster
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     real = thresholds.min_seq_len
@@ -185,8 +190,9 @@ def test_masked_threshold_reasons_name_the_mask(monkeypatch):
 def test_fp16_pv_sites_have_their_own_thresholds(monkeypatch):
     """pv='fp16' runs a slower kernel (half-rate P·V) with its own measured tables — unmasked and key padding —
     and explain() names that measurement; min_seq_len still overrides it; CPU never waits."""
-    from sage_compile import SageConfig, thresholds
-    from sage_compile.support import AttentionCall, sdpa_is_faster
+    from sage_compile import SageConfig
+    from sage_compile.kernels import thresholds
+    from sage_compile.policy.support import AttentionCall, sdpa_is_faster
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
@@ -236,7 +242,7 @@ def test_an_emulating_kernel_is_reported(monkeypatch):
 
 def test_nvfp4_sites_have_no_threshold(monkeypatch):
     """NVFP4 is not measured (on sm90 it is an emulation, asked for its numerics): no key length keeps it on SDPA."""
-    from sage_compile import thresholds
+    from sage_compile.kernels import thresholds
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert thresholds.min_seq_len(torch.device("cuda"), 128, False, pv="fp4") == 0
@@ -244,7 +250,7 @@ def test_nvfp4_sites_have_no_threshold(monkeypatch):
 
 
 def test_an_unknown_producer_is_refused():
-    from sage_compile import thresholds
+    from sage_compile.kernels import thresholds
 
     with pytest.raises(ValueError, match="producer='rope'"):
         thresholds.min_seq_len(torch.device("cpu"), 128, False, producer="rope")

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import cosine, random_qkv
-from sage_compile import SageConfig, merge_attention, sage_attention, spec
+from sage_compile import SageConfig, merge_attention, sage_attention
+from sage_compile.numerics import spec
 
 CONFIG = SageConfig(min_seq_len=0, fallback="error")
 
@@ -84,10 +85,10 @@ def _free_port():
 @settings(deadline=None, max_examples=25)
 @given(seed=st.integers(0, 2**16), n_k=st.integers(1, 200), cut=st.integers(1, 199), row0=st.integers(0, 40))
 def test_the_rings_in_place_merge_is_merge_attentions(seed, n_k, cut, row0):
-    """distributed._merge_rows (the ring's in-place merge into rows of a bf16 output) equals merge_attention within
+    """context_parallel._merge_rows (the ring's in-place merge into rows of a bf16 output) equals merge_attention within
     its two bf16 roundings, rows that see no key on either side included (bottom-right causal with Nq > Nk leaves
     some), and leaves the other rows alone."""
-    from sage_compile.distributed import _merge_rows
+    from sage_compile.ops.context_parallel import _merge_rows
 
     cut = min(cut, n_k)
     q, k, v = random_qkv(1, 2, 2, 60, n_k, 64, seed=seed)
@@ -120,8 +121,9 @@ def test_ring_and_ulysses_over_two_processes_equal_one_process():
 
 def test_shard_sequence_names_a_length_that_does_not_split(monkeypatch):
     from sage_compile import distributed
+    from sage_compile.ops import context_parallel
 
-    monkeypatch.setattr(distributed, "_group_size_rank", lambda group: (2, 0))
+    monkeypatch.setattr(context_parallel, "_group_size_rank", lambda group: (2, 0))
     x = torch.arange(12.0).view(1, 1, 6, 2)
     assert torch.equal(distributed.shard_sequence(x), x[:, :, :3])
     with pytest.raises(ValueError, match="does not split into 4 equal chunks"):

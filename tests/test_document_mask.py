@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from helpers import cosine
 import sage_compile
-from sage_compile import SageConfig, sage_attention, varlen  # noqa: F401  (varlen registers the op)
+from sage_compile import SageConfig, sage_attention
+from sage_compile.ops import varlen  # noqa: F401  (varlen registers the op)
 from sage_compile.backend import sage_backend
 
 CONFIG = SageConfig(min_seq_len=0, inner_backend="eager")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from helpers import attention_shapes, random_qkv
 import sage_compile
 import sage_compile.ops  # noqa: F401  (registers torch.ops.sage)
-from sage_compile import SageConfig, spec
+from sage_compile import SageConfig
+from sage_compile.numerics import scheme, spec
 
 
 def _prepared_args(q, k, v, quant, kv_lens=None, causal=0):
@@ -31,7 +32,7 @@ def test_opcheck_quantized_attention():
 
 
 def test_quantized_op_refuses_inputs_that_require_grad():
-    # registered without an autograd kernel (ops._define_op, for host time): a backward through it must not run
+    # registered without an autograd kernel (ops.quantized.define_op, for host time): a backward through it must not run
     # (sage.attention's backward is autograd.AttentionFunction, around the whole forward)
     q, k, v = random_qkv(1, 2, 2, 16, 16, 64, seed=3)
     args = list(_prepared_args(q, k, v, spec.Scheme(pv="fp16")))
@@ -183,7 +184,7 @@ def test_attention_schemas_carry_the_config_as_one_argument():
     (Scheme.encode): no schema restates a field, and every field round-trips through the string."""
     for op in (torch.ops.sage.attention.default, torch.ops.sage.rope_attention.default):
         args = {a.name: a.default_value for a in op._schema.arguments}
-        assert args["config"] == "" and not set(args) & set(sage_compile.scheme.FIELD_NAMES), op
+        assert args["config"] == "" and not set(args) & set(scheme.FIELD_NAMES), op
     assert "scheme" in {a.name for a in torch.ops.sage.quantized_attention.default._schema.arguments}
     config = SageConfig(qk="int4", smooth_q=True, k_granularity="per_thread", q_block=64, smooth_v=True, pv="fp16",
                         k_mean_sample=0, fallback="error", min_seq_len=0, allow_fp32=True)
@@ -192,5 +193,5 @@ def test_attention_schemas_carry_the_config_as_one_argument():
     assert spec.Scheme.decode("") == spec.Scheme()  # a subset (here: none) takes the defaults
     # every scheme field is spelt out, defaults too: a graph cached or exported with one version keeps its numerics
     # when a later version changes a default (a per-token prep read as per_thread K would be silently wrong)
-    assert [item.split("=")[0] for item in spec.Scheme().encode().split(";")] == list(sage_compile.scheme.FIELD_NAMES)
+    assert [item.split("=")[0] for item in spec.Scheme().encode().split(";")] == list(scheme.FIELD_NAMES)
     assert SageConfig().op_key() == spec.Scheme().encode()  # the policy fields: only those that differ

@@ -1,5 +1,6 @@
-"""Per-site precision plans (sage_compile/plan.py): calibrate measures every SDPA site at every rung on the user's
-inputs and keeps the fastest rung meeting the target; SageConfig(plan=...) applies it when compiling."""
+"""Per-site precision plans (sage_compile/calibration.py, sage_compile/policy/plan.py): calibrate measures every SDPA
+site at every rung on the user's inputs and keeps the fastest rung meeting the target; SageConfig(plan=...) applies it
+when compiling."""
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import sage_compile
 from sage_compile import Plan, SageConfig, Target, calibrate
 from sage_compile.backend import sage_backend
 from sage_compile.demo_model import DemoTransformer
-from sage_compile.plan import RUNGS
+from sage_compile.policy.plan import RUNGS
 
 
 def _model_and_input(seed=0):
@@ -53,34 +54,36 @@ def test_nvfp4_is_a_rung_only_where_it_runs_on_fp4_tensor_cores(monkeypatch):
     """Without FP4 tensor cores (this CPU, a Hopper GPU) NVFP4 would be an emulation, slower than SDPA: calibrate never
     measures it. Where the device has them and the site's kernel runs them (faked here: the CPU kernel stands in), it
     heads the ladder, and a bar it meets makes it the site's rung."""
-    from sage_compile import kernels, plan as plan_module
+    from sage_compile import calibration, kernels
+    from sage_compile.kernels import dispatch
 
     model, x = _model_and_input()
     query = x.new_empty(2, 4, 300, 16)
-    assert not plan_module.offered(RUNGS["nvfp4"], query, SageConfig())
-    assert plan_module.offered(RUNGS["per_token"], query, SageConfig())
-    assert plan_module.offered(None, query, SageConfig())  # SDPA
+    assert not calibration.offered(RUNGS["nvfp4"], query, SageConfig())
+    assert calibration.offered(RUNGS["per_token"], query, SageConfig())
+    assert calibration.offered(None, query, SageConfig())  # SDPA
     monkeypatch.setattr(kernels, "native_fp4", lambda device: True)
-    assert plan_module.offered(RUNGS["nvfp4"], query, SageConfig())
+    assert calibration.offered(RUNGS["nvfp4"], query, SageConfig())
     plan = calibrate(model, (x,), target=Target(cos=0.9, rel_l1=0.5), progress=False)
     assert list(RUNGS)[0] == "nvfp4" and set(plan.sites.values()) == {"nvfp4"}
     for by_rung in plan.measured.values():
         assert 0.9 < by_rung["nvfp4"]["cos"] < by_rung["per_thread"]["cos"]
-    monkeypatch.setattr(sage_compile.dispatch, "emulation", lambda site: "emulated")
-    assert not plan_module.offered(RUNGS["nvfp4"], query, SageConfig())  # a device with FP4 whose kernel emulates
+    monkeypatch.setattr(dispatch, "emulation", lambda site: "emulated")
+    assert not calibration.offered(RUNGS["nvfp4"], query, SageConfig())  # a device with FP4 whose kernel emulates
 
 
 def test_int4_is_a_rung_only_where_its_site_runs_on_4_bit_tensor_cores(monkeypatch):
     """INT4 QK through 8-bit products (the CPU, Hopper) is slower than the 8-bit rungs and less accurate: never
     measured. Where the site's kernel is the 4-bit one (faked here: the dispatcher names sm89, the CPU kernel
     computes), it comes after NVFP4 and ahead of the 8-bit rungs; a bar it meets makes it the site's rung."""
-    from sage_compile import dispatch, plan as plan_module
+    from sage_compile import calibration
+    from sage_compile.kernels import dispatch
 
     model, x = _model_and_input()
     query = x.new_empty(2, 4, 300, 16)
-    assert not plan_module.offered(RUNGS["int4"], query, SageConfig())
+    assert not calibration.offered(RUNGS["int4"], query, SageConfig())
     monkeypatch.setattr(dispatch, "kernel_for_site", lambda site: ("sm89", {}))
-    assert plan_module.offered(RUNGS["int4"], query, SageConfig())
+    assert calibration.offered(RUNGS["int4"], query, SageConfig())
     assert list(RUNGS)[:3] == ["nvfp4", "int4", "per_thread"]
     plan = calibrate(model, (x,), target=Target(cos=0.9, rel_l1=0.5), progress=False)
     assert set(plan.sites.values()) == {"int4"}

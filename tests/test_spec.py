@@ -1,4 +1,4 @@
-"""Properties of the numerics spec itself (sage_compile/spec.py): quantizer bounds and invariants."""
+"""Properties of the numerics spec itself (sage_compile/numerics/spec.py): quantizer bounds and invariants."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import attention_shapes, cosine, random_qkv, rel_l1
-from sage_compile import scheme, spec
+from sage_compile.numerics import scheme, spec
 
 
 @given(n=st.integers(1, 300), d=st.sampled_from([32, 64, 80]), granularity=st.sampled_from(scheme.GRANULARITIES),

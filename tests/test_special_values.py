@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from helpers import cosine
 from special_values import Case, check_pattern, predicted, sdpa_reference
 import sage_compile
-from sage_compile import SageConfig, kernels, ops, spec  # noqa: F401  (ops registers the ops)
+from sage_compile import SageConfig, kernels, ops  # noqa: F401  (ops registers the ops)
+from sage_compile.numerics import spec
 from sage_compile.kernels import KernelArgs, cpu
 
 CONFIG = SageConfig(min_seq_len=0, fallback="error", k_granularity="per_token")  # the per-token rule (grouped: below)

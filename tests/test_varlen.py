@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sage_compile import SageConfig, api, sage_attention, sage_attention_varlen, spec, varlen
+from sage_compile import SageConfig, api, sage_attention, sage_attention_varlen
+from sage_compile.numerics import spec
+from sage_compile.ops import varlen
 
 CONFIG = SageConfig(min_seq_len=0, fallback="error")
 LSE_ATOL = 1e-5

@@ -1,5 +1,5 @@
 // Exact CPU kernel for sage.quantized_attention: bit-for-bit the algorithm of
-// sage_compile/spec.py::quantized_attention_reference (its docstring states the rounding rules), only
+// sage_compile/numerics/spec.py::quantized_attention_reference (its docstring states the rounding rules), only
 // without the Python loop and without copying K/V per query head. NVFP4 (qk = pv = "fp4") runs the same
 // loop with its operands decoded to double (code × E4M3 block scale: both products exact, see spec.py).
 //
@@ -579,7 +579,7 @@ void cast_hook(uintptr_t src, const std::string& src_dtype, uintptr_t dst, const
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Exact C++ CPU reference kernels of sage.quantized_attention and sage.attention_backward (see "
-            "sage_compile/spec.py).";
+            "sage_compile/numerics/spec.py).";
   m.def("quantized_attention", &quantized_attention,
         "Writes out [B,Hq,Nq,head_dim] and lse [B,Hq,Nq] through their strides. Each tensor is "
         "(data_ptr, dtype name, element strides); sizes = (B, Hq, Hkv, Nq, Nk, Dp). attn_mask (bool or "

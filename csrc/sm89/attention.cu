@@ -4,7 +4,7 @@
 // units: ptxas rewrites them as int8 / fp16 products (exact, slower), which is how the tests run this kernel on an
 // H100.
 //
-// The spec's kernel contract (sage_compile/spec.py, steps 4-7) with block_n = 64:
+// The spec's kernel contract (sage_compile/numerics/spec.py, steps 4-7) with block_n = 64:
 //   S = (q̂·k̂ᵀ)·δK·δQ + ΔS (base 2), online softmax P̃ = exp2(S − m), P̂ = e4m3(448·P̃), l from fp32 P̃,
 //   per key block acc = P̂·V̂ from zero, O = O·exp2(m_old − m_new) + acc, out = O/(448·l)·δV + μV, lse.
 //

@@ -2,7 +2,7 @@
 // wgmma for PV, fp32 two-level accumulation, online softmax in base 2. Its parts: ptx.cuh (PTX wrappers), wgmma.cuh
 // (the products), smem.cuh (layout, swizzle, KeyOrder), copy.cuh (K / Vᵀ / δK copies), softmax.cuh, epilogue.cuh.
 //
-// The function is sage_compile/spec.py's quantized_attention_reference with block_n = 128, computed in the order of
+// The function is sage_compile/numerics/spec.py's quantized_attention_reference with block_n = 128, computed in the order of
 // the Triton kernel (sage_compile/kernels/triton.py, FAST path): the same scales, the same rounding to e4m3, the
 // same 448 folded into the exponent. One warpgroup per CTA (64 query rows, 128 threads), two to four CTAs per SM
 // (sage_compile/kernels/sm90.py's heuristics pick; the resident CTAs overlap each other's softmax and wgmmas).

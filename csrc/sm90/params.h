@@ -1,5 +1,5 @@
 // The sm90 kernel's launch parameters: raw pointers and element strides, checked by the Python caller
-// (sage_compile/kernels/sm90.py) against the contract of sage_compile.spec.Prepared.
+// (sage_compile/kernels/sm90.py) against the contract of sage_compile.numerics.spec.Prepared.
 #pragma once
 #include <cuda.h>  // CUtensorMap (a 128-byte value; no driver library is linked)
 
@@ -51,7 +51,7 @@ struct Params {
   // 4·quad + r, so one box per half of a block's permuted rows; pv16: one box of the block's rows in natural
   // order), Vᵀ (4-D: key, d, head, batch; pv16: fp16, a box per 64 keys) and δK (3-D: key, head, batch).
   int tma;
-  // A packed ragged batch (sage_compile.varlen; null cu_blk: a batched launch): batch = 1, Nq = Tq packed query
+  // A packed ragged batch (sage_compile.ops.varlen; null cu_blk: a batched launch): batch = 1, Nq = Tq packed query
   // rows, Nk = Nkp = C key slots. Sequence s is queries cu_q[s]..cu_q[s+1] and cu_k[s+1] − cu_k[s] keys from slot
   // key_first[s] (a multiple of 16) — causal per sequence — with δV / μV row s ([S, Hkv, Dp]: vs_sb, vm_sb); its
   // query blocks of kBlockM are cu_blk[s]..cu_blk[s+1] of the grid's first cu_blk[S] (the rest idle). Needs tma.

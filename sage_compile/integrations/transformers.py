@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..api import sage_attention
-from ..config import SageConfig
+from ..policy.config import SageConfig
 
 
 def make_attention_forward(config: Optional[SageConfig] = None):
@@ -38,6 +38,7 @@ def make_attention_forward(config: Optional[SageConfig] = None):
 
 def register(name: str = "sage", config: Optional[SageConfig] = None) -> str:
     """Register ``name`` with transformers' AttentionInterface and AttentionMaskInterface; returns it."""
+    # transformers: an optional dependency, needed only by whoever registers with it
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -8,8 +8,8 @@ Each family module exposes:
 * ``launch(args, out, lse)`` — writes the preallocated outputs on the current stream, trusting both checks;
 * optionally ``emulation(site: KernelSite) -> str | None`` — why the family computes a site in a format the device
   has no instructions for (NVFP4 off Blackwell), or None: the dispatcher warns once and explain says so.
-``sage_compile.dispatch`` picks the first family, in ``KERNEL_MODULES`` order, whose ``supports`` and ``accepts``
-both pass; ``run(module, args, out, lse)`` below runs one family directly, with every check.
+``dispatch`` (kernels/dispatch.py) picks the first family, in ``KERNEL_MODULES`` order, whose ``supports`` and
+``accepts`` both pass; ``run(module, args, out, lse)`` below runs one family directly, with every check.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..scheme import Scheme
+from ..numerics import spec
+from ..numerics.scheme import Scheme
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,6 @@ def widen_fp4_channels(args: KernelArgs, padded_head_dim: int) -> KernelArgs:
     zeroes its block, so a padded channel adds nothing to any score and holds 0 in the output accumulator; out keeps
     the first head_dim channels: the same out and lse, bit for bit (tests/test_cpu_kernel.py). For a kernel that runs
     wider channel tiles than a head dim pads to (kernels/triton.py, FP4_MIN_TILE_DP)."""
-    from .. import spec
-
     pad = padded_head_dim - args.padded_head_dim
     if not args.scheme.fp4 or pad < 0 or pad % spec.FP4_BLOCK:
         raise ValueError(f"widen_fp4_channels: NVFP4 args (qk={args.scheme.qk!r}) from Dp={args.padded_head_dim} to "
@@ -178,7 +177,8 @@ def site_shape_problem(site: KernelSite, head_dims) -> Optional[str]:
 
 
 def packed_batch_problem(args: KernelArgs) -> Optional[str]:
-    """None when ``args`` can be a packed ragged batch's operands (sage_compile.varlen): no ΔS, attn_mask or kv_lens."""
+    """None when ``args`` can be a packed ragged batch's operands (sage_compile.ops.varlen): no ΔS, attn_mask or
+    kv_lens."""
     if args.delta_s is not None or args.attn_mask is not None or args.kv_lens is not None:
         return "a packed batch has no ΔS, attn_mask or kv_lens"
     return None
@@ -210,8 +210,6 @@ _SCALE_FIELDS = ("q_scale", "k_scale", "v_scale", "v_mean", "delta_s")
 def check_inputs(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """The op's contract, checked before any family runs (the C++ and CUDA kernels read and write wherever
     pointers, sizes and strides say): shapes and dtypes as ``args.scheme`` defines them, one device."""
-    from .. import spec
-
     scheme = args.scheme
     if args.q.dim() != 4 or args.k.dim() != 4:
         raise ValueError(f"sage.quantized_attention: q and k must be 4-D, got {tuple(args.q.shape)}, "
@@ -289,8 +287,6 @@ def _check_presence(args: KernelArgs) -> None:
 
 def _check_v_blocks(args: KernelArgs, v_keys: int) -> None:
     """NVFP4's V̂ᵀ: keys padded to whole 16-key blocks, one E4M3 block scale per channel and block."""
-    from .. import spec
-
     if v_keys % spec.FP4_BLOCK:
         raise ValueError(f"sage.quantized_attention: v holds {v_keys} keys; NVFP4 pads them to a multiple of "
                          f"{spec.FP4_BLOCK}")

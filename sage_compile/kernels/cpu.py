@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .. import _C, spec
+from .. import _C
+from ..numerics import spec
 from . import KernelArgs, KernelSite, broadcast_strides
 
 NAME = "cpu"

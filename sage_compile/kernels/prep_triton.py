@@ -1,4 +1,4 @@
-"""Triton kernels of the fused rope prep (sage_compile/prep.py): rope(x) on a [tokens × D/2] tile pair
+"""Triton kernels of the fused rope prep (sage_compile/kernels/prep.py): rope(x) on a [tokens × D/2] tile pair
 (x₁, x₂), then either per-channel partial sums (for μK) or per-token int8 quantization.
 
 Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
-from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+from ..numerics.spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
 # tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.

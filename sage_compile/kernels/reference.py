@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .. import spec
+from ..numerics import spec
 from . import KernelArgs, KernelSite
 
 NAME = "reference"

@@ -147,7 +147,7 @@ def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, packed: Optio
 
 
 def varlen_problem(args: KernelArgs) -> Optional[str]:
-    """None when ``launch_varlen`` takes this packed batch (``sage_compile.varlen``'s operands), else why not."""
+    """None when ``launch_varlen`` takes this packed batch (``sage_compile.ops.varlen``'s operands), else why not."""
     if args.k.shape[2] < BLOCK_N:
         return f"{args.k.shape[2]} key slots: the packed launch copies by tensor map, which needs at least {BLOCK_N}"
     return packed_batch_problem(args)
@@ -155,7 +155,7 @@ def varlen_problem(args: KernelArgs) -> Optional[str]:
 
 def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_first: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """One launch over a packed ragged batch (``sage_compile.varlen``; what ``varlen_problem`` accepts): ``args``
+    """One launch over a packed ragged batch (``sage_compile.ops.varlen``; what ``varlen_problem`` accepts): ``args``
     holds the packed operands as one batch (q [1,Hq,Tq,Dp]; k [1,Hkv,C,Dp], δK [1,Hkv,C] and V̂ᵀ [1,Hkv,Dp,C] in C key
     slots) with δV / μV per sequence ([S,Hkv,Dp]); sequence s is queries cu_q[s]:cu_q[s+1] and cu_k[s+1] − cu_k[s]
     keys from slot key_first[s]; causal 1 aligns top-left, 2 bottom-right, per sequence. out [1,Hq,Tq,D] and lse

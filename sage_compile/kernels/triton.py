@@ -16,7 +16,7 @@ With an ``attn_mask`` ([B|1, Hq|1, Nq|1, Nk], any strides; broadcast batch/head/
 key block takes the masked path and loads its [BLOCK_M, BLOCK_N] mask tile; HAS_MASK is a constexpr, so the
 unmasked kernel compiles to the same instructions as without the feature.
 
-VARLEN (``launch_varlen``, sage_compile/varlen.py): one launch over a packed ragged batch — each program finds its
+VARLEN (``launch_varlen``, sage_compile/ops/varlen.py): one launch over a packed ragged batch — each program finds its
 (sequence, query block) from the sequences' first blocks, its rows from cu_seqlens_q and its keys from their aligned
 slots; the body is the same.
 
@@ -718,10 +718,10 @@ def _block_scale_operands(args: KernelArgs, native: bool):
 
 def launch_varlen(args: KernelArgs, cu_q: torch.Tensor, cu_k: torch.Tensor, key_first: torch.Tensor,
                   max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """One launch over a packed ragged batch (``sage_compile.varlen``): ``args`` holds the packed operands as one
+    """One launch over a packed ragged batch (``sage_compile.ops.varlen``): ``args`` holds the packed operands as one
     batch (q [1,Hq,Tq,Dp]; k [1,Hkv,C,Dp], δK [1,Hkv,C] and V̂ᵀ [1,Hkv,Dp,C] in C key slots) but δV / μV per sequence
     ([S,Hkv,Dp]); sequence s is queries cu_q[s]:cu_q[s+1] and cu_k[s+1] − cu_k[s] keys from slot key_first[s] (int32, a
-    multiple of 16: ``sage_compile.varlen.key_slots``); causal 1 aligns top-left, 2 bottom-right, per sequence.
+    multiple of 16: ``sage_compile.ops.varlen.key_slots``); causal 1 aligns top-left, 2 bottom-right, per sequence.
     out [1,Hq,Tq,D] and lse [1,Hq,Tq] are views of the packed outputs. No ΔS, attn_mask or kv_lens. The grid has a
     program per query block of every sequence (found by a binary search over ``cu_blk``), plus at most one idle program
     per sequence: its size needs no host sync."""

@@ -1,6 +1,6 @@
-"""Triton kernels of the packed (varlen) prep on CUDA: ``sage_compile.varlen.prepare_packed`` for what an eager call on a
-GPU runs — one pass per reduction and one per quantization instead of the aten chain (each a pass over fp32 copies of
-q, k or v: the prep took 5× the attention kernel's time on a ragged batch).
+"""Triton kernels of the packed (varlen) prep on CUDA: ``sage_compile.ops.varlen.prepare_packed`` for what an eager call
+on a GPU runs — one pass per reduction and one per quantization instead of the aten chain (each a pass over fp32 copies
+of q, k or v: the prep took 5× the attention kernel's time on a ragged batch).
 
 Inputs are packed [T, H, D] (any token and head strides, channels contiguous) with sequence s the rows cu[s]:cu[s+1].
 The arithmetic is prep_triton's (same helpers): Q̂, K̂ and V̂ bit-equal to spec.prepare of each sequence alone, up to the
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+from ..numerics.spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 from .prep_triton import THREAD_GROUP_TILE, _int8_scales, _mul_rn, _quantized_int8
 from .triton import _varlen_block
 

@@ -12,7 +12,7 @@ taken on CUDA, as the kernel's wrapper takes it (a mean's last bits depend on th
 import pytest
 import torch
 
-from sage_compile import spec
+from sage_compile.numerics import spec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers import cosine, rel_l1
-from sage_compile import spec
+from sage_compile.numerics import spec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -102,7 +102,7 @@ def test_explain_on_gpu_picks_the_preferred_kernel():
 
 
 def test_sage_attention_eager_on_gpu_matches_spec_and_sdpa():
-    from sage_compile import spec
+    from sage_compile.numerics import spec
 
     q, k, v = (torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = sage_compile.sage_attention(q, k, v, is_causal=True, config=ALWAYS)

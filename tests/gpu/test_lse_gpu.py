@@ -1,5 +1,5 @@
 """The LSE of a call that stays SDPA (``sage_attention(..., return_lse=True)`` below the threshold: every partial of a
-ring attention kept on SDPA) from FlashAttention's kernel (ops._flash_with_lse), never the N×N scores: the LSE equals
+ring attention kept on SDPA) from FlashAttention's kernel (sdpa._flash_with_lse), never the N×N scores: the LSE equals
 the exact log-sum-exp of the scaled scores and the output F.sdpa's — plain, causal, GQA, a head dim the kernel pads —
 and calls the kernel cannot run exactly as asked keep the exact path."""
 import math
@@ -12,7 +12,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run on the device machine)", allow_module_level=True)
 from gpu_cases import DEV  # noqa: E402
 from helpers import random_qkv  # noqa: E402
-from sage_compile import SageConfig, ops, sage_attention, spec  # noqa: E402
+from sage_compile import SageConfig, sage_attention  # noqa: E402
+from sage_compile.kernels import sdpa  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -38,20 +40,20 @@ def _exact_lse(q, k, scale, causal=spec.CAUSAL_NONE):
 
 
 def _skip_without_flash(q, k, v, causal, enable_gqa=False):
-    if not ops._flash_takes(q, k, v, None, causal, enable_gqa, None):
+    if not sdpa._flash_takes(q, k, v, None, causal, enable_gqa, None):
         pytest.skip(f"this GPU's SDPA has no flash kernel for {q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 @pytest.fixture
 def flash_calls(monkeypatch):
     """The calls that took the flash path."""
-    calls, real = [], ops._flash_with_lse
+    calls, real = [], sdpa._flash_with_lse
 
     def spy(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(ops, "_flash_with_lse", spy)
+    monkeypatch.setattr(sdpa, "_flash_with_lse", spy)
     return calls
 
 
@@ -79,7 +81,7 @@ def test_scale_is_the_callers(flash_calls):
     q, k, v = (t.to(DEV) for t in random_qkv(1, 2, 2, 128, 128, 72, seed=3))
     _skip_without_flash(q, k, v, spec.CAUSAL_NONE)
     with torch.no_grad():
-        _, lse = ops.sdpa_with_lse(q, k, v, None, 0.3, spec.CAUSAL_NONE, False)
+        _, lse = sdpa.sdpa_with_lse(q, k, v, None, 0.3, spec.CAUSAL_NONE, False)
     assert len(flash_calls) == 1
     torch.testing.assert_close(lse, _exact_lse(q, k, 0.3).float(), atol=LSE_ATOL, rtol=0)
 
@@ -91,7 +93,7 @@ def test_bottom_right_causal_with_fewer_queries_is_flashs(flash_calls):
     _skip_without_flash(q, k, v, spec.CAUSAL_BOTTOM_RIGHT, True)
     keep = spec.causal_allowed(300, 700, spec.CAUSAL_BOTTOM_RIGHT, DEV)
     with torch.no_grad():
-        out, lse = ops.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_BOTTOM_RIGHT, True)
+        out, lse = sdpa.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_BOTTOM_RIGHT, True)
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
     assert len(flash_calls) == 1
     torch.testing.assert_close(lse, _exact_lse(q, k, 128 ** -0.5, spec.CAUSAL_BOTTOM_RIGHT).float(), atol=LSE_ATOL,
@@ -107,7 +109,7 @@ def test_long_sequence_never_forms_the_scores(flash_calls):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     with torch.no_grad():
-        out, lse = ops.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_TOP_LEFT, False)
+        out, lse = sdpa.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_TOP_LEFT, False)
     torch.cuda.synchronize()
     assert len(flash_calls) == 1
     assert torch.cuda.max_memory_allocated() - before < 256 * 2**20
@@ -120,7 +122,7 @@ def test_a_nan_query_row_gives_a_nan_lse_row(flash_calls):
     q[0, 1, 7] = float("nan")
     _skip_without_flash(q, k, v, spec.CAUSAL_NONE)
     with torch.no_grad():
-        out, lse = ops.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_NONE, False)
+        out, lse = sdpa.sdpa_with_lse(q, k, v, None, None, spec.CAUSAL_NONE, False)
     assert len(flash_calls) == 1
     assert lse[0, 1, 7].isnan() and out[0, 1, 7].isnan().all()
     assert lse.isnan().sum() == 1
@@ -138,4 +140,4 @@ def test_flash_does_not_take_what_it_cannot_run_as_asked(case):
     kv_lens = torch.tensor([90], device=DEV, dtype=torch.int32) if case == "kv_lens" else None
     if case == "fp32":
         q, k, v = q.float(), k.float(), v.float()
-    assert not ops._flash_takes(q, k, v, mask, causal, False, kv_lens)
+    assert not sdpa._flash_takes(q, k, v, mask, causal, False, kv_lens)

@@ -8,7 +8,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sage_compile
-from sage_compile import SageConfig, prep, spec
+from sage_compile import SageConfig
+from sage_compile.kernels import prep
+from sage_compile.numerics import spec
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import sage_compile
-from sage_compile import SageConfig, dispatch
+from sage_compile import SageConfig
+from sage_compile.kernels import dispatch
 from tests.test_real_weights import SENTENCES, embed
 
 pytestmark = pytest.mark.gpu

@@ -23,7 +23,8 @@ except ImportError:
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from gpu_cases import DEV, assert_close_to_oracle, draw_kv_lens, make_case, oracle, poisoned_outputs  # noqa: E402
-from sage_compile import dispatch, spec  # noqa: E402
+from sage_compile.kernels import dispatch  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
 from sage_compile.bench.distributions import accuracy_metrics, sample_qkv  # noqa: E402
 from sage_compile.kernels import KernelArgs, KernelSite  # noqa: E402
 

@@ -28,7 +28,9 @@ from gpu_cases import (  # noqa: E402
     make_case, poisoned_outputs, random_mask,
 )
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import dispatch, kernels, spec  # noqa: E402
+from sage_compile import kernels  # noqa: E402
+from sage_compile.kernels import dispatch  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
 from sage_compile.kernels import KernelArgs, KernelSite  # noqa: E402
 
 pytestmark = pytest.mark.gpu

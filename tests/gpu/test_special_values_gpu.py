@@ -15,7 +15,9 @@ if not torch.cuda.is_available():
 from gpu_cases import DEV, poisoned_outputs  # noqa: E402
 from special_values import Case, check_pattern, predicted  # noqa: E402
 import sage_compile  # noqa: E402
-from sage_compile import SageConfig, kernels, prep, spec  # noqa: E402
+from sage_compile import SageConfig, kernels  # noqa: E402
+from sage_compile.kernels import prep  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
 from sage_compile.kernels import KernelArgs  # noqa: E402
 
 pytestmark = pytest.mark.gpu

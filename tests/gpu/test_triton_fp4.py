@@ -37,7 +37,9 @@ from gpu_cases import (  # noqa: E402
 )
 from helpers import cosine, rel_l1  # noqa: E402
 import sage_compile  # noqa: E402
-from sage_compile import SageConfig, dispatch, kernels, sage_attention, spec  # noqa: E402
+from sage_compile import SageConfig, kernels, sage_attention  # noqa: E402
+from sage_compile.kernels import dispatch  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

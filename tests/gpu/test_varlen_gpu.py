@@ -25,7 +25,10 @@ if not torch.cuda.is_available():
 tk = pytest.importorskip("sage_compile.kernels.triton")
 from gpu_cases import DEV, assert_close_to_oracle  # noqa: E402
 from helpers import cosine, rel_l1  # noqa: E402
-from sage_compile import SageConfig, dispatch, sage_attention_varlen, spec, varlen  # noqa: E402
+from sage_compile import SageConfig, sage_attention_varlen  # noqa: E402
+from sage_compile.kernels import dispatch  # noqa: E402
+from sage_compile.numerics import spec  # noqa: E402
+from sage_compile.ops import varlen  # noqa: E402
 from sage_compile.backend import sage_backend  # noqa: E402
 from sage_compile.kernels import KernelArgs, KernelSite  # noqa: E402
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from .. import KV_LENS_DTYPES, attn_mask_problem
-from ... import spec
+from ...numerics import spec
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16)  # grad_out and v: dP = dO·Vᵀ is one 16-bit dot
 

@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-from ... import spec
+from ...numerics import spec
 
 BLOCK = spec.BWD_BLOCK
 

@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 from .. import broadcast_strides
-from ... import spec
+from ...numerics import spec
 from . import contract
 
 NAME = "triton"

@@ -1,4 +1,5 @@
-"""Which attention calls sage can run, and a reason a user can act on for the ones it cannot.
+"""Which attention calls sage can run, and a reason a user can act on for the ones it cannot; where SDPA is faster;
+and the verdict on a site a pass found (``judge_site``: recorded in its ``SiteReport``, raised or warned).
 
 Shared by the graph passes (on fake tensors) and the eager ``sage_attention`` (on real ones), so a site
 is judged the same way wherever it comes from. Every check is static: no guards, no recompiles.
@@ -10,10 +11,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch._guards import CompileContext
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import spec
+from ..kernels import KernelSite, dispatch, thresholds
+from ..numerics import spec
+from ..numerics.notices import warn_once
 from .config import SageConfig
+from .sites import Site, SiteReport
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
@@ -151,8 +156,6 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, producer: str) -> Op
     below the key-length threshold (thresholds.py, or ``config.min_seq_len``; ``producer``: what the site's prep
     absorbed, thresholds.PRODUCERS, each with its own table). A symbolic
     length is compared too: that guard recompiles at most once, when a dynamic length crosses the threshold."""
-    from . import thresholds
-
     if config.backward == "none" and needs_grad(call.q, call.k, call.v):
         return f"{TRAINING_CHOICE}: q, k or v require grad and SageConfig.backward='none'"
     threshold = config.min_seq_len
@@ -190,15 +193,11 @@ def sdpa_is_faster(call: AttentionCall, config: SageConfig, producer: str) -> Op
 
 def kernel_site(call: AttentionCall, config: SageConfig):
     """The KernelSite of a call the checks before ``_check_kernel`` accepted."""
-    from .kernels import KernelSite
-
     return KernelSite(config.scheme, call.q.device, call.q.dtype, spec.padded_head_dim(concrete(call.q.shape[-1])),
                       causal_mode(bool(call.is_causal)), isinstance(call.attn_mask, torch.Tensor))
 
 
 def _check_kernel(call, config, grad_enabled):
-    from . import dispatch
-
     name, reasons = dispatch.kernel_for_site(kernel_site(call, config))
     if name is None or (name == "reference" and call.q.device.type != "cpu"):
         return f"no fast sage kernel for {call.q.device} ({reasons})"
@@ -214,3 +213,87 @@ def concrete(size) -> int:
 def causal_mode(is_causal: bool) -> int:
     """SDPA's is_causal is top-left aligned; bottom-right is asked for explicitly."""
     return spec.CAUSAL_TOP_LEFT if is_causal else spec.CAUSAL_NONE
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The verdict on a site: recorded in its report, raised, warned
+# ------------------------------------------------------------------------------------------------------------------
+class UnsupportedAttentionError(RuntimeError):
+    """Raised with fallback='error' for a site sage cannot run."""
+
+
+def describe_site(name: str, call, reason: Optional[str], config, source: str) -> Site:
+    """A Site for an AttentionCall (tensors may be fake); the kernel is looked up only when replaced."""
+    tensor = isinstance(call.q, torch.Tensor)
+    kernel = None
+    if reason is None:
+        site = kernel_site(call, config)
+        kernel, _ = dispatch.kernel_for_site(site)
+        emulated = dispatch.emulation(site)
+        kernel = kernel if emulated is None else f"{kernel} ({emulated})"
+    return Site(
+        name=name,
+        replaced=reason is None,
+        reason=reason or "",
+        shapes=call.shapes() if tensor else "?",
+        dtype=str(call.q.dtype).replace("torch.", "") if tensor else "?",
+        causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
+        kernel=kernel,
+        source=source,
+        rung=_plan_rung(config.plan, name) if config.plan is not None and source == "sdpa" else "",  # SDPA sites
+    )
+
+
+def _plan_rung(plan, name: str) -> str:
+    """The rung column: the site's rung, and "+ per step" where the plan picks one per step too."""
+    rung = plan.sites.get(name, "")
+    return f"{rung} + per step" if rung and plan.steps.get(name) else rung
+
+
+def judge_site(report: SiteReport, name: str, call, config, source: str, grad_enabled: bool,
+               reason: Optional[str] = None, producer: str = "none") -> bool:
+    """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
+    ``reason`` is a pass's own objection, found before the shared checks; ``producer``: what will be fused into the
+    site's prep (thresholds.PRODUCERS, each with its own speed thresholds), as passes/absorb_rope.fused_producer
+    says."""
+    reason = reason or unsupported_reason(call, config, grad_enabled)
+    if source == "inductor-sdpa" and getattr(call, "nodes", None):
+        report.drop_softmaxes_fused_in(call.nodes[0].graph)
+    choice = sdpa_is_faster(call, config, producer) if reason is None else None
+    report.add(describe_site(name, call, reason or choice, config, source))
+    if reason is not None and config.fallback == "error":
+        raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}. "
+                                        f"{remedy(reason)}")
+    if reason is not None or (choice is not None and not silent_choice(choice, config)):
+        warn_kept_site(name, call.shapes(), reason or choice, is_choice=reason is None)
+    return reason is None and choice is None
+
+
+# (what a reason starts with or contains, what the user can do about it)
+_REMEDIES = (
+    ("SDPA is faster for training", "run inference under torch.no_grad() or torch.inference_mode() to use sage; "
+                                    "SageConfig(backward='sdpa') or 'sage' differentiates through sage"),
+    ("SDPA is faster", "SageConfig(min_seq_len=0) runs sage anyway"),
+    ("float32", "cast the model to bf16/fp16, or set SageConfig(allow_fp32=True)"),
+    ("dropout", "run in eval mode (dropout_p=0)"),
+    ("requires grad", "detach the mask (a constant bias), or keep this site on SDPA"),
+    ("more than the attention output is used", "call F.scaled_dot_product_attention in the model so the site is "
+                                               "seen before autograd (stage 1)"),
+    ("no fast sage kernel", "run on a CUDA GPU (sm80+) or the CPU; `python -m sage_compile doctor` lists kernels"),
+    ("attn_mask", "pass a mask that broadcasts as [B|1, H|1, Nq|1, Nk] (bool or additive float)"),
+)
+
+
+def remedy(reason: str) -> str:
+    for words, fix in _REMEDIES:
+        if words in reason:
+            return f"Fix: {fix}."
+    return "SageConfig(fallback='error') makes this an error."
+
+
+def warn_kept_site(name: str, shapes: str, reason: str, is_choice: bool) -> None:
+    """Tell the user once per compiled code and reason that a site runs SDPA, naming the site and what to do."""
+    frame = getattr(CompileContext.current_compile_id(), "frame_id", None)
+    what = "SDPA measured faster" if is_choice else "sage cannot run it"
+    warn_once(("compiled", frame), reason, f"sage: attention site {name} ({shapes}) runs "
+              f"F.scaled_dot_product_attention ({what}): {reason}. {remedy(reason)}")

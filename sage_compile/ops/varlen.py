@@ -22,9 +22,12 @@ from typing import Optional, Tuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import spec
-from .kernels import KernelArgs
-from .scheme import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
+from ..kernels import KernelArgs, dispatch, prep
+from ..numerics import spec
+from ..numerics.scheme import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
+from ..policy.config import SageConfig
+from ..policy.support import AttentionCall, runs_eagerly, unsupported_reason
+from .quantized import LIB, define_op, no_grad_inputs
 
 
 def scheme_problem(scheme: Scheme) -> Optional[str]:
@@ -193,8 +196,6 @@ def key_slots(cu: torch.Tensor, total: int):
 
 def fused_prep_reason(q: torch.Tensor, quant: Scheme) -> Optional[str]:
     """Why ``prepare_packed_cuda`` cannot prepare this call (None: it can)."""
-    from . import prep
-
     if not q.is_cuda or not prep.HAS_TRITON:
         return "the packed Triton prep runs on CUDA with Triton"
     if quant.qk != "int8" or quant.q_granularity != "per_token" or quant.k_granularity == "per_block":
@@ -209,7 +210,7 @@ def fused_prep_reason(q: torch.Tensor, quant: Scheme) -> Optional[str]:
 def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, quant: Scheme) -> PackedPrepared:
     """``prepare_packed`` (with the LSE shift) as Triton kernels, for what ``fused_prep_reason`` accepts: μK and δV's
     amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V."""
-    from .kernels import varlen_prep_triton as kernels
+    from ..kernels import varlen_prep_triton as kernels  # triton: absent from CPU builds of torch
 
     seq_q, _ = token_sequence(cu_q, q.shape[0])
     seq_k, _ = token_sequence(cu_k, k.shape[0])
@@ -234,21 +235,18 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
 # ------------------------------------------------------------------------------------------------------------------
 # The ops
 # ------------------------------------------------------------------------------------------------------------------
-from . import dispatch, ops  # noqa: E402  (ops defines the library the ops below join)
-from .config import SageConfig  # noqa: E402
-
-ops._LIB.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+LIB.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                 "SymInt max_seqlen_k, int causal=0, float? scale=None, str config='') -> (Tensor, Tensor)")
 
 
-@torch.library.impl(ops._LIB, "attention_varlen", "CompositeImplicitAutograd")
+@torch.library.impl(LIB, "attention_varlen", "CompositeImplicitAutograd")
 def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal=0, scale=None,
                                     config=""):
     """The packed prep in aten ops + sage.quantized_attention_varlen: returns (out [Tq,Hq,D], lse [Hq,Tq] fp32, natural
     log of each row's scaled scores, −inf for a row that sees no key). Callers check ``packed_problem`` first."""
     scheme = SageConfig.from_op_key(config).scheme
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if ops.runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
+    if runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
         p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, scheme)
         torch._dynamo.utils.counters["sage"]["varlen_fused_prep"] += 1
     else:
@@ -261,8 +259,6 @@ def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
 
 def packed_problem(q, k, v, causal: int, config: SageConfig, grad_enabled: bool) -> Optional[str]:
     """None when ``sage.attention_varlen`` runs this call (packed q [Tq,Hq,D], k and v [Tk,Hkv,D]); else why not."""
-    from .support import AttentionCall, unsupported_reason
-
     if grad_enabled and any(t.requires_grad for t in (q, k, v)):
         return "inputs require grad (the packed kernel has no backward)"
     views = [t.transpose(0, 1)[None] for t in (q, k, v)]
@@ -270,7 +266,7 @@ def packed_problem(q, k, v, causal: int, config: SageConfig, grad_enabled: bool)
     return unsupported_reason(call, config, grad_enabled) or scheme_problem(config.scheme)
 
 
-@ops._define_op(tags=(torch.Tag.needs_contiguous_strides,))
+@define_op(tags=(torch.Tag.needs_contiguous_strides,))
 def quantized_attention_varlen(
     q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
     v_scale: torch.Tensor, v_mean: Optional[torch.Tensor], key_first: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -278,7 +274,7 @@ def quantized_attention_varlen(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The packed operands of ``PackedPrepared`` → (out [Tq,Hq,head_dim], lse [Hq,Tq] over the smoothed scores). One
     launch on CUDA (``one_launch_kernel``); elsewhere the kernel families run each sequence on views of the operands."""
-    ops._no_grad_inputs("quantized_attention_varlen", q_scale, k_scale, v, v_scale, v_mean)
+    no_grad_inputs("quantized_attention_varlen", q_scale, k_scale, v, v_scale, v_mean)
     out, lse = _packed_outputs(q, head_dim, out_dtype)
     args = KernelArgs(q, q_scale, k, k_scale, v, v_scale, v_mean, None, None, None, causal, head_dim, out_dtype,
                       Scheme.decode(scheme))
@@ -348,7 +344,7 @@ def sequence_args(args: KernelArgs, s: int, q0: int, q1: int, first: int, n_keys
 # ------------------------------------------------------------------------------------------------------------------
 # Document masks: attention within each document of a packed sequence (placed by passes/document_mask.py)
 # ------------------------------------------------------------------------------------------------------------------
-@ops._define_op()
+@define_op()
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, is_causal: bool,
                        scale: Optional[float], config: str) -> torch.Tensor:
     """SDPA with attn_mask = (doc_ids[..., :, None] == doc_ids[..., None, :]) (& causal): token i sees token j iff both
@@ -356,7 +352,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_id
     tokens of each row are grouped by id (a stable sort: within a document the order, so causality, is kept) and run
     as one ``sage.attention_varlen`` over every document of every row; the output comes back in q's token order.
     Opaque: the run boundaries are read on the host (one sync a call, so no CUDA-graph capture)."""
-    ops._no_grad_inputs("document_attention", q, k, v)
+    no_grad_inputs("document_attention", q, k, v)
     batch, hq, n, _ = q.shape
     ids = doc_ids.reshape(-1, n).expand(batch, n)
     order = torch.argsort(ids, dim=-1, stable=True)

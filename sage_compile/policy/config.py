@@ -2,12 +2,16 @@
 the compile plumbing."""
 from __future__ import annotations
 
+import difflib
 import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_field_types, decode_fields,
-                     encode_fields, unknown_name_message)
+import torch._inductor.config as inductor_config
+
+from ..numerics.scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_field_types, decode_fields,
+                               encode_fields, unknown_name_message)
+from .plan import Plan
 
 FALLBACKS = ("sdpa", "error")
 BACKWARDS = ("sdpa", "none", "sage")
@@ -24,7 +28,7 @@ class SageConfig:
     ``SageConfig(k_granularity="per_thread")`` is ``SageConfig(scheme=Scheme(k_granularity="per_thread"))``.
     Policy: ``fallback`` "sdpa" keeps an unsupported site as the original SDPA (warned once per reason,
     reported by explain and counters), "error" raises instead; ``min_seq_len`` keeps SDPA for shorter key
-    lengths (None: the measured per-device thresholds of sage_compile/thresholds.py; 0: always sage);
+    lengths (None: the measured per-device thresholds of sage_compile/kernels/thresholds.py; 0: always sage);
     ``allow_fp32`` quantizes fp32 attention too (off: fp32 users usually want fp32 accuracy); ``backward``:
     what a site whose q, k or v require grad runs — "sdpa" (the default): the 8-bit forward, and the exact
     attention gradient at the same inputs (SDPA's forward recomputed, then its backward): fast for grad-mode calls
@@ -35,7 +39,7 @@ class SageConfig:
     (sage_compile.distributed; "" — the default — runs each rank on its own).
     Plumbing: ``inner_backend`` compiles the rewritten graph with inductor (default), aot_eager or eager;
     ``fuse_rope`` (on) lets a rotary (optionally after a QK-norm) that makes q and k run inside the fused prep
-    (passes/absorb_rope.py, sage_compile/prep.py) — off keeps Inductor's generic fusion of the prep. ``plan``: a
+    (passes/absorb_rope.py, sage_compile/kernels/prep.py) — off keeps Inductor's generic fusion of the prep. ``plan``: a
     per-site precision plan (``sage_compile.calibrate``; a Plan or the path of its JSON file): each SDPA site it names
     runs its rung — a scheme on top of this config's, or SDPA.
     """
@@ -122,8 +126,6 @@ class SageConfig:
 
 def _as_plan(plan):
     """None, a plan.Plan, or the path of a plan's JSON file (loaded)."""
-    from .plan import Plan
-
     if plan is None or isinstance(plan, Plan):
         return plan
     if isinstance(plan, str):
@@ -134,10 +136,6 @@ def _as_plan(plan):
 def check_inductor_options(options: Mapping[str, Any]) -> None:
     """The keys of ``options`` that are not sage's go to Inductor: each must be an Inductor config name (or
     ``mode``), else the error names the key and the nearest valid name — before any tracing."""
-    import difflib
-
-    import torch._inductor.config as inductor_config
-
     known = set(inductor_config._config) | {"mode"}  # every config, those a cache key ignores too
     for key in options:
         if key not in known:

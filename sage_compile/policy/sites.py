@@ -1,9 +1,10 @@
-"""Attention sites: what the passes found, what they did and why; read by explain(), counters and logs."""
+"""Attention sites, reported: what the passes found, what they did and why (``Site``, ``SoftmaxSite``, ``SiteReport``,
+and the sites' stable names); read by explain(), counters and logs. The verdict on a site is ``support.judge_site``'s.
+"""
 from __future__ import annotations
 
 import os
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -21,101 +22,6 @@ class Site:
     kernel: Optional[str]  # kernel chosen for the site's device when replaced (and what it emulates, if anything)
     source: str  # which pass saw it
     rung: str = ""  # the calibration plan's rung for the site (sage_compile.calibrate), "" without one
-
-
-def describe_site(name: str, call, reason: Optional[str], config, source: str) -> Site:
-    """A Site for an AttentionCall (tensors may be fake); the kernel is looked up only when replaced."""
-    from . import dispatch, spec
-    from .support import causal_mode, kernel_site
-
-    tensor = isinstance(call.q, torch.Tensor)
-    kernel = None
-    if reason is None:
-        site = kernel_site(call, config)
-        kernel, _ = dispatch.kernel_for_site(site)
-        emulated = dispatch.emulation(site)
-        kernel = kernel if emulated is None else f"{kernel} ({emulated})"
-    return Site(
-        name=name,
-        replaced=reason is None,
-        reason=reason or "",
-        shapes=call.shapes() if tensor else "?",
-        dtype=str(call.q.dtype).replace("torch.", "") if tensor else "?",
-        causal=spec.CAUSAL_NAMES[causal_mode(call.is_causal)] if isinstance(call.is_causal, bool) else "?",
-        kernel=kernel,
-        source=source,
-        rung=_plan_rung(config.plan, name) if config.plan is not None and source == "sdpa" else "",  # SDPA sites
-    )
-
-
-def _plan_rung(plan, name: str) -> str:
-    """The rung column: the site's rung, and "+ per step" where the plan picks one per step too."""
-    rung = plan.sites.get(name, "")
-    return f"{rung} + per step" if rung and plan.steps.get(name) else rung
-
-
-def judge_site(report: "SiteReport", name: str, call, config, source: str, grad_enabled: bool,
-               reason: Optional[str] = None, producer: str = "none") -> bool:
-    """Decide one site for a pass: record it, raise with fallback='error', and say whether to replace it.
-    ``reason`` is a pass's own objection, found before the shared checks; ``producer``: what will be fused into the
-    site's prep (thresholds.PRODUCERS, each with its own speed thresholds), as passes/absorb_rope.fused_producer
-    says."""
-    from .support import sdpa_is_faster, silent_choice, unsupported_reason
-
-    reason = reason or unsupported_reason(call, config, grad_enabled)
-    if source == "inductor-sdpa" and getattr(call, "nodes", None):
-        report.drop_softmaxes_fused_in(call.nodes[0].graph)
-    choice = sdpa_is_faster(call, config, producer) if reason is None else None
-    report.add(describe_site(name, call, reason or choice, config, source))
-    if reason is not None and config.fallback == "error":
-        raise UnsupportedAttentionError(f"sage: attention site {name} ({call.shapes()}): {reason}. "
-                                        f"{remedy(reason)}")
-    if reason is not None or (choice is not None and not silent_choice(choice, config)):
-        warn_kept_site(name, call.shapes(), reason or choice, is_choice=reason is None)
-    return reason is None and choice is None
-
-
-# (what a reason starts with or contains, what the user can do about it)
-_REMEDIES = (
-    ("SDPA is faster for training", "run inference under torch.no_grad() or torch.inference_mode() to use sage; "
-                                    "SageConfig(backward='sdpa') or 'sage' differentiates through sage"),
-    ("SDPA is faster", "SageConfig(min_seq_len=0) runs sage anyway"),
-    ("float32", "cast the model to bf16/fp16, or set SageConfig(allow_fp32=True)"),
-    ("dropout", "run in eval mode (dropout_p=0)"),
-    ("requires grad", "detach the mask (a constant bias), or keep this site on SDPA"),
-    ("more than the attention output is used", "call F.scaled_dot_product_attention in the model so the site is "
-                                               "seen before autograd (stage 1)"),
-    ("no fast sage kernel", "run on a CUDA GPU (sm80+) or the CPU; `python -m sage_compile doctor` lists kernels"),
-    ("attn_mask", "pass a mask that broadcasts as [B|1, H|1, Nq|1, Nk] (bool or additive float)"),
-)
-
-
-def remedy(reason: str) -> str:
-    for words, fix in _REMEDIES:
-        if words in reason:
-            return f"Fix: {fix}."
-    return "SageConfig(fallback='error') makes this an error."
-
-
-_warned: set = set()
-
-
-def warn_once(scope, reason: str, message: str, stacklevel: int = 3) -> None:
-    """Warn ``message`` once per ``scope`` and reason — numbers aside, so one line serves every key length."""
-    key = (scope, re.sub(r"\d+", "N", reason))
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=stacklevel)
-
-
-def warn_kept_site(name: str, shapes: str, reason: str, is_choice: bool) -> None:
-    """Tell the user once per compiled code and reason that a site runs SDPA, naming the site and what to do."""
-    from torch._guards import CompileContext
-
-    frame = getattr(CompileContext.current_compile_id(), "frame_id", None)
-    what = "SDPA measured faster" if is_choice else "sage cannot run it"
-    warn_once(("compiled", frame), reason, f"sage: attention site {name} ({shapes}) runs "
-              f"F.scaled_dot_product_attention ({what}): {reason}. {remedy(reason)}")
 
 
 @dataclass
@@ -203,10 +109,6 @@ class SiteReport:
 
     def __str__(self) -> str:
         return self.table()
-
-
-class UnsupportedAttentionError(RuntimeError):
-    """Raised with fallback='error' for a site sage cannot run."""
 
 
 def site_name(node: torch.fx.Node, seen: dict) -> str:

@@ -8,8 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .kernels import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
-from .sites import warn_once
+from ..numerics.notices import warn_once
+from . import KERNEL_MODULES, KernelArgs, KernelSite, check_inputs
 
 
 _import_errors: Dict[str, str] = {}

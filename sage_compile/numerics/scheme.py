@@ -65,7 +65,7 @@ THREAD_GROUPS_PER_BLOCK = 4
 
 @dataclass(frozen=True)
 class Scheme:
-    """How Q, K and V are quantized (the numerics spec, sage_compile/spec.py, says exactly how).
+    """How Q, K and V are quantized (the numerics spec, sage_compile/numerics/spec.py, says exactly how).
 
     ``qk``: QK operand type (``QK_TYPES``). ``q_granularity`` / ``k_granularity``: scale groups —
     per_token, per_block (``q_block`` / ``k_block`` consecutive tokens) or, for K, per_thread (the sm90

@@ -10,8 +10,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .config import SageConfig
-from .sites import Site, SiteReport, SoftmaxSite
+from .backend import collect_reports, sage_backend
+from .policy.config import SageConfig
+from .policy.sites import Site, SiteReport, SoftmaxSite
 
 
 @dataclass
@@ -39,8 +40,6 @@ def explain(model, *example_inputs, config: Optional[SageConfig] = None, **examp
     report the sites as the real call would see them: in the caller's grad mode, with the config ``model`` was
     compiled with when it is a ``backend="sage"`` compiled model (``config`` overrides). Dynamo's caches are left
     as they are: the trace runs through a fresh code object, so the caller's compiled entries stay warm."""
-    from .backend import collect_reports, sage_backend
-
     target, compiled_with = unwrap_compiled(model)
     config = (config or compiled_with or SageConfig()).replace(inner_backend="aot_eager")
     graphs = []
@@ -62,8 +61,6 @@ def explain(model, *example_inputs, config: Optional[SageConfig] = None, **examp
 def unwrap_compiled(model) -> Tuple[object, Optional[SageConfig]]:
     """(the original callable, the SageConfig it was compiled with) for a torch.compile / sage_compile.compile
     result with the sage backend; (model, None) for anything else."""
-    from .backend import sage_backend
-
     original = getattr(model, "_orig_mod", None) or getattr(model, "_torchdynamo_orig_callable", None)
     if original is None:
         return model, None

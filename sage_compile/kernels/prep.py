@@ -49,7 +49,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import spec
+from ..numerics import spec
+
+try:
+    from torch._library.triton import set_wrap_triton_enabled
+except ImportError:  # a torch without the switch (_plain_launches)
+    set_wrap_triton_enabled = None
 
 HEAD_DIMS = (64, 128)  # the Triton kernels' head dims (D = padded D: no padding pass needed)
 
@@ -119,7 +124,7 @@ def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = Fa
     """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what an eager
     call runs on CUDA instead of spec.prepare's chain of aten ops (each a pass over q or k); only for what
     ``fast_path_reason`` accepts. Bit-equal to spec.prepare up to the summation order of μK."""
-    from .kernels import prep_triton
+    from . import prep_triton  # triton: absent from CPU builds of torch
 
     with _plain_launches():
         p, k_mean = _fused_prepare(q, k, v, (), (), scale, quant, direct=True)
@@ -132,9 +137,7 @@ def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = Fa
 def _plain_launches():
     """A context in which wrap_triton launches a kernel as plain Triton does, as a triton_op's own eager implementation
     runs (outside one, wrap_triton goes through its tracing higher-order op: ~1 ms of host time per eager prep)."""
-    try:
-        from torch._library.triton import set_wrap_triton_enabled
-    except ImportError:  # a torch without the switch: the launches still work, through the op
+    if set_wrap_triton_enabled is None:  # a torch without the switch: the launches still work, through the op
         return contextlib.nullcontext()
     return set_wrap_triton_enabled(False)
 
@@ -240,7 +243,7 @@ def _rope_mean_cuda(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0
     """CUDA: partial sums of rope(x) over token ranges, then their sum / N in a fixed order (Triton); with
     sample > 0, over the keys spec.mean_sample_positions takes (a read of at most `sample` keys, not of all of x),
     then / min(N, sample)."""
-    from .kernels import prep_triton
+    from . import prep_triton  # triton: absent from CPU builds of torch
 
     batch, heads, n, d = x.shape
     partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
@@ -255,7 +258,7 @@ def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optio
                         norm_weight: Optional[torch.Tensor] = None,
                         norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
-    from .kernels import prep_triton
+    from . import prep_triton  # triton: absent from CPU builds of torch
 
     batch, heads, n, d = x.shape
     x8 = torch.empty((batch, heads, n, d), dtype=torch.int8, device=x.device)
@@ -269,7 +272,7 @@ def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optio
 def _v_quantize_cuda(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """CUDA: (V̂ᵀ [B,H,D,N_pad16] e4m3, δV [B,H,D]) of ``spec.prepare_v`` (FP8, no smooth_v): per-split
     channel amax, their max, then δV, quantize and transpose (Triton)."""
-    from .kernels import prep_triton
+    from . import prep_triton  # triton: absent from CPU builds of torch
 
     batch, heads, n, d = v.shape
     delta = torch.empty((batch, heads, d), dtype=torch.float32, device=v.device)
