@@ -14,11 +14,12 @@ NEVER = math.inf
 
 # (compute capability major, padded head dim, causal) → the smallest key length at which sage won on every sm90
 # GPU measured (H100 and H200), ``bench e2e`` with a rotary producer, interleaved rounds, dynamic=True, torch
-# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K (e2e_bench_h100.json, e2e_bench_h200.json):
-#   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.09, 1.19 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
+# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K — the default numerics (e2e_bench_h100.json,
+# e2e_bench_h200.json):
+#   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.09, 1.18 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
 #     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
 #     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
-#   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99): never clearly ahead.
+#   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99); H200 0.95, 1.00: never clearly ahead.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
@@ -99,6 +100,8 @@ MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compi
 #   a mask with one row for every query (key padding [B,1,1,Nk] bool), the shipped config's sweep on the H100
 #     (e2e_bench_mask_key_padding_default_only_h100.json, 2 rounds): D=128 4K 1.26, 16K 1.37, 64K 1.51; D=64 4K
 #     1.20, 16K 1.26 → from 4K at both head dims (causal does not arise: SDPA takes a mask or is_causal, not both);
+#     swept with per_thread K; per-token K's kernel is 6–19% slower (kernel_bench_h100.json), less
+#     than these margins over SDPA's masked kernels — the same entries serve both, not re-swept with per-token K;
 #   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 (e2e_bench_mask_additive_h200.json, 2 rounds),
 #     per-token / per_thread K at 4K and 16K: D=128 1.00 / 1.02, 0.97 / 1.00; D=64 0.88 / 0.89, 0.85 / 0.77 → never
 #     (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
