@@ -160,7 +160,7 @@ def accuracy_section(runs, minilm) -> list:
     for _, data in runs:
         bar = data.get("bar", {})
         lines += [f"### The numerics spec — {measured(data)}", "",
-                  f"`python -m sage_compile bench accuracy`: {data['kernel']}, output {data['output_dtype']}, shape "
+                  f"`python -m sage_compile bench spec`: {data['kernel']}, output {data['output_dtype']}, shape "
                   f"{data['shape']}, vs fp32 SDPA, on the three input distributions of `sage_compile.bench.distributions`. "
                   f"The bar: cosine ≥ {bar.get('cos')}, rel. L1 ≤ {bar.get('rel_l1')}. The GPU kernels agree with this "
                   "reference to ~1e-4 relative (tests/gpu). Rows marked *study* are designs not in the spec, emulated "

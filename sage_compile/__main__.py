@@ -116,7 +116,7 @@ def bench(args) -> int:
     """bench <name> [options]: the benchmarks of sage_compile.bench (kernel, e2e and models need CUDA)."""
     if args.which in ("kernel", "eager", "e2e", "models"):
         if not torch.cuda.is_available():
-            print(f"bench {args.which}: needs a CUDA GPU (none visible); `bench accuracy` runs on the CPU and "
+            print(f"bench {args.which}: needs a CUDA GPU (none visible); `bench accuracy` and `bench spec` run on the CPU and "
                   "`bench report` renders the recorded results")
             return 2
     module = importlib.import_module(f".bench.{BENCHMARKS[args.which][0]}", __package__)

@@ -4,7 +4,7 @@
 and the step that a plan calibrated per step runs (``plan_step``).
 
 The ladder (``RUNGS``), fastest first — the order of the sm90 kernel's measured speeds on the H100 and H200
-(docs/results, ``bench kernel``): per_thread K (the default numerics), per-token K, per-token K with V smoothed (the
+(docs/results, ``bench kernel``): per_thread K, per-token K (the default numerics), per-token K with V smoothed (the
 same kernel plus an add in its epilogue and a mean in the prep), and SDPA itself. fp16 PV is not a rung: its kernel
 runs slower than cuDNN's SDPA (docs/configuration.md), so where 8-bit PV misses a target SDPA is both faster and exact.
 NVFP4 (qk = pv = "fp4") heads the ladder only where its kernel runs on FP4 tensor cores (``calibration.offered``;
