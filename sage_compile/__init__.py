@@ -20,7 +20,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
 _PUBLIC = {
     "SageConfig": ".policy.config",
     "Scheme": ".numerics.scheme",
-    "compile": ".api",
+    "compile": ".backend",
     "sage_attention": ".api",
     "sage_attention_varlen": ".api",
     "merge_attention": ".api",

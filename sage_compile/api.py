@@ -1,36 +1,15 @@
-"""User entry points besides the backend: ``compile`` (function and decorator) and ``sage_attention``."""
+"""User entry points without torch.compile: ``sage_attention`` (SDPA's signature), its varlen form, and
+``merge_attention``. ``compile`` lives with the backend (``backend.py``)."""
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
-from .backend import sage_backend
 from .numerics import spec
 from .ops import varlen
 from .ops.attention import DEFAULT_CONFIG, run_attention
 from .policy.config import SageConfig
-
-
-def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
-    """``torch.compile(model, backend="sage")`` with a SageConfig; also a decorator, bare or called.
-
-    ``compile_kwargs`` go to torch.compile (``mode``, ``dynamic``, ``fullgraph``, ``options``...).
-    """
-    if model is None:
-        return functools.partial(compile, config=config, **compile_kwargs)
-    options = dict(compile_kwargs.pop("options", None) or {})
-    if options or config is not None:  # torch.compile refuses mode= beside options=: carry it inside
-        mode = compile_kwargs.pop("mode", None)
-        if mode is not None:
-            options["mode"] = mode
-    if config is not None:
-        if "sage_config" in options:
-            raise ValueError("pass the SageConfig either as config= or as options['sage_config'], not both")
-        options["sage_config"] = config
-    SageConfig.from_options(options)  # bad keys and values fail here, not at the first call
-    return torch.compile(model, backend=sage_backend, options=options or None, **compile_kwargs)
 
 
 def sage_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -1,4 +1,5 @@
-"""The ``sage`` torch.compile backend: stage-1 rewrite, then Inductor with our stage-2 passes.
+"""The ``sage`` torch.compile backend: stage-1 rewrite, then Inductor with our stage-2 passes; and ``compile``, which
+compiles with it.
 
 ``sage_backend`` is the target of the ``torch_dynamo_backends`` entry point (setup metadata), so
 ``torch.compile(model, backend="sage")`` works after ``pip install`` without importing us.
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -90,3 +92,23 @@ def inductor_patches(config: SageConfig, mode: Optional[str], inductor_options: 
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
         patches.setdefault("static_launch_user_defined_triton_kernels", True)
     return patches
+
+
+def compile(model=None, config: Optional[SageConfig] = None, **compile_kwargs):
+    """``torch.compile(model, backend="sage")`` with a SageConfig; also a decorator, bare or called.
+
+    ``compile_kwargs`` go to torch.compile (``mode``, ``dynamic``, ``fullgraph``, ``options``...).
+    """
+    if model is None:
+        return functools.partial(compile, config=config, **compile_kwargs)
+    options = dict(compile_kwargs.pop("options", None) or {})
+    if options or config is not None:  # torch.compile refuses mode= beside options=: carry it inside
+        mode = compile_kwargs.pop("mode", None)
+        if mode is not None:
+            options["mode"] = mode
+    if config is not None:
+        if "sage_config" in options:
+            raise ValueError("pass the SageConfig either as config= or as options['sage_config'], not both")
+        options["sage_config"] = config
+    SageConfig.from_options(options)  # bad keys and values fail here, not at the first call
+    return torch.compile(model, backend=sage_backend, options=options or None, **compile_kwargs)

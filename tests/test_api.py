@@ -125,6 +125,21 @@ def test_import_changes_no_global_state():
     assert result.returncode == 0 and "clean" in result.stdout, result.stderr[-2000:]
 
 
+def test_eager_use_does_not_load_torchs_compiler():
+    """sage_attention without torch.compile never imports torch._inductor (its import alone takes about a second):
+    the compiler is loaded by what compiles — the backend, sage_compile.compile, options checks."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from sage_compile import SageConfig, sage_attention\n"
+            "q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)\n"
+            "sage_attention(q, q, q, is_causal=True, config=SageConfig(min_seq_len=0))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._inductor')) or 'clean')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "clean", (result.stdout, result.stderr[-2000:])
+
+
 def test_public_surface():
     assert set(sage_compile.__all__) >= {"SageConfig", "compile", "sage_attention", "explain"}
 

@@ -7,8 +7,6 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-import torch._inductor.config as inductor_config
-
 from ..numerics.scheme import (FIELD_NAMES as SCHEME_FIELDS, Scheme, check_choice, check_field_types, decode_fields,
                                encode_fields, unknown_name_message)
 from .plan import Plan
@@ -136,6 +134,8 @@ def _as_plan(plan):
 def check_inductor_options(options: Mapping[str, Any]) -> None:
     """The keys of ``options`` that are not sage's go to Inductor: each must be an Inductor config name (or
     ``mode``), else the error names the key and the nearest valid name — before any tracing."""
+    import torch._inductor.config as inductor_config  # torch's compiler: ~1 s to import, needed only to compile
+
     known = set(inductor_config._config) | {"mode"}  # every config, those a cache key ignores too
     for key in options:
         if key not in known:
