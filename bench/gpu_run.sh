@@ -3,7 +3,7 @@
 #   bash bench/gpu_run.sh quick    GPU tests, demo, e2e bench at N ∈ {4K, 16K}, D=128
 #   bash bench/gpu_run.sh full     GPU tests, demo, the full e2e bench
 #   bash bench/gpu_run.sh bench    the full e2e bench only
-#   bash bench/gpu_run.sh <name> [options]   one benchmark (kernel, int4, eager, e2e, models, accuracy, backward, train,
+#   bash bench/gpu_run.sh <name> [options]   one benchmark (kernel, int4, eager, e2e, models, accuracy, spec, backward, train,
 #                                            context_parallel, varlen), e.g. `kernel --quick`
 #   bash bench/gpu_run.sh sweep <variant>...  the shipped config vs inductor (bench e2e --default-only --rounds 3
 #                                            --record, N 1K-64K, D 128/64, causal 0/1) per variant: a --producer
@@ -28,7 +28,7 @@ esac
 case "$mode" in
   quick) python -m sage_compile bench e2e --n 4096,16384 --d 128 "$@" 2>&1 | tee "$OUT/e2e.log" | tail -12 ;;
   full|bench) python -m sage_compile bench e2e "$@" 2>&1 | tee "$OUT/e2e.log" | tail -40 ;;
-  kernel|int4|eager|e2e|models|accuracy|backward|train|context_parallel|varlen) python -m sage_compile bench "$mode" "$@" 2>&1 | tee "$OUT/$mode.log" | tail -40 ;;
+  kernel|int4|eager|e2e|models|accuracy|spec|backward|train|context_parallel|varlen) python -m sage_compile bench "$mode" "$@" 2>&1 | tee "$OUT/$mode.log" | tail -40 ;;
   sweep|static_sweep)
     if [ "$mode" = sweep ]; then grid="--rounds 3 --n 1024,2048,4096,8192,16384,32768,65536"
     else grid="--static --rounds 3 --n 1024,2048,4096,8192"; fi

