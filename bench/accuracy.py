@@ -210,12 +210,18 @@ def measure(name: str, batches: List[dict], device) -> dict:
                 target=dict(cos=plan.target.cos, rel_l1=plan.target.rel_l1))
 
 
-def site_summary(result: dict, rung: str) -> str:
-    values = [c[rung] for c in result["site_cos"].values() if c.get(rung) is not None]
-    if not values:
-        return "-"
-    worst = min(result["site_cos"], key=lambda s: result["site_cos"][s].get(rung) or 2.0)
-    return f"min {min(values):.5f} ({worst}), median {statistics.median(values):.5f}"
+def site_cosines(result: dict, rung: str) -> Dict[str, float]:
+    """site → the output cosine calibrate measured for ``rung`` (sites where sage cannot run it left out)."""
+    return {site: c[rung] for site, c in result["site_cos"].items() if c.get(rung) is not None}
+
+
+def worst_site(result: dict, rung: str) -> str:
+    """"cosine (site)" of the site ``rung`` serves worst, or "–"."""
+    cosines = site_cosines(result, rung)
+    if not cosines:
+        return "–"
+    site = min(cosines, key=cosines.get)
+    return f"{cosines[site]:.5f} ({site})"
 
 
 def main(argv=None) -> int:
@@ -244,7 +250,6 @@ def main(argv=None) -> int:
     return 0
 
 
-
 def _print(result: dict) -> None:
     print(f"\n{result['model']} ({result['about']})")
     for row in result["rows"]:
@@ -253,7 +258,8 @@ def _print(result: dict) -> None:
         extra = f"  plan {row['plan_rungs']}" if "plan_rungs" in row else ""
         print(f"  {row['name']:20s} {value}{extra}", flush=True)
     for rung in ("per_token", "per_thread"):
-        print(f"  site cos, {rung:10s} {site_summary(result, rung)}")
+        median = statistics.median(site_cosines(result, rung).values() or [float("nan")])
+        print(f"  site cos, {rung:10s} worst {worst_site(result, rung)}, median {median:.5f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import os
 
 from . import recording
+from .accuracy import worst_site
 
 DEVICE_ORDER = ("h100", "h200")  # then any other device, alphabetically
 
@@ -220,18 +221,10 @@ def models_accuracy_section(runs) -> list:
                         if "perplexity" in r else f"cos {r['embedding_cos_min']:.5f}")
                 rungs = ", ".join(f"{rung} ×{count}" for rung, count in r.get("plan_rungs", {}).items())
                 cells.append(f"{cell} [{rungs}]" if rungs else cell)
-            worst = [_worst_site(model, rung) for rung in ("per_token", "per_thread")]
+            worst = [worst_site(model, rung) for rung in ("per_token", "per_thread")]
             lines.append(f"| {model['model']} ({model['about']}) | " + " | ".join(cells + worst) + " |")
         lines.append("")
     return lines
-
-
-def _worst_site(model, rung) -> str:
-    measured_sites = {site: c[rung] for site, c in model["site_cos"].items() if c.get(rung) is not None}
-    if not measured_sites:
-        return "–"
-    site = min(measured_sites, key=measured_sites.get)
-    return f"{measured_sites[site]:.5f} ({site})"
 
 
 def backward_section(runs) -> list:
