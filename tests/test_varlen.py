@@ -15,7 +15,8 @@ from sage_compile import SageConfig, api, sage_attention, sage_attention_varlen
 from sage_compile.numerics import spec
 from sage_compile.ops import varlen
 
-CONFIG = SageConfig(min_seq_len=0, fallback="error")
+# the packed prep runs without equalize_qk (varlen.packed_scheme): compared with sage_attention under the same scheme
+CONFIG = SageConfig(min_seq_len=0, fallback="error", equalize_qk=False)
 LSE_ATOL = 1e-5
 SCHEMES = ({}, {"k_granularity": "per_thread"}, {"q_granularity": "per_block", "k_granularity": "per_block",
                                                  "q_block": 32, "k_block": 16},
@@ -70,7 +71,7 @@ def test_each_sequence_is_its_own_attention(lens, causal, gqa, d, scheme, seed):
 def test_packed_prep_quantizes_each_sequence_as_the_spec(scheme):
     """prepare_packed's operands, sequence by sequence, are spec.prepare's of that sequence alone: Q, δQ, V̂, δV exact;
     μK summed in another order, so K̂ may differ by one level where k − μK sits at a rounding midpoint."""
-    quant = spec.Scheme(**scheme)
+    quant = varlen.packed_scheme(spec.Scheme(**scheme))
     lens = [70, 0, 130, 5]
     q, k, v = _packed(lens, 4, 64, 1), _packed(lens, 2, 64, 2, bias=1.5), _packed(lens, 2, 64, 3)
     cu = _cu(lens)
@@ -185,3 +186,15 @@ def test_flash_attention_keywords_switch_by_import():
         sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, is_causal=True, causal=False)
     with pytest.raises(ValueError, match="scale=0.1 and softmax_scale=0.2 disagree"):
         sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, scale=0.1, softmax_scale=0.2)
+
+
+def test_the_packed_path_says_it_does_not_equalize():
+    """The default scheme equalizes Q and K (equalize_qk); the packed prep does not — it runs the scheme without it
+    and warns once, never silently: the result is sage_attention's of each sequence with equalize_qk=False."""
+    lens = [40, 7]
+    q, k, v = _packed(lens, 2, 64, 21), _packed(lens, 2, 64, 22), _packed(lens, 2, 64, 23)
+    assert varlen.packed_scheme(spec.Scheme(equalize_qk=False)) == spec.Scheme(equalize_qk=False)
+    varlen.warn_once.__globals__["_warned"].clear()
+    with pytest.warns(UserWarning, match="without equalize_qk"):
+        default = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 40, 40, config=SageConfig(min_seq_len=0))
+    assert torch.equal(default, sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 40, 40, config=CONFIG))

@@ -10,8 +10,11 @@ kernels on CUDA:
 * ``sage::rope_mean(x, tables, sample)`` — μ = mean over tokens of rope(x), fp32 [B,H,1,D] (K smoothing):
   over spec's sample of ``sample`` keys where N is larger (``Scheme.k_mean_sample``), else one read of
   x; split over token ranges, partial sums added in a fixed order (deterministic).
-* ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups)`` — rope(x) − μ, per-token amax (or per
-  spec's per_thread K groups), int8 with
+* ``sage::rope_balance(xq, q_tables, xk, k_tables, sample, smooth_k)`` — with ``Scheme.equalize_qk`` (the default),
+  in place of rope_mean: μK, and the per-channel maxima and minima of rope(k) and rope(q) over the same sample, in
+  one kernel per operand; then β and 1/β of every KV head (``spec.channel_balance``) in one small launch.
+* ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups, channel_scale)`` — (rope(x) − μ)·β (β: Q's or K's
+  equalize_qk multipliers, if any), per-token amax (or per spec's per_thread K groups), int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
 * ``sage::v_quantize(v)`` — V's half (``prepare_v``): per-channel amax over tokens, then e4m3 V̂ᵀ.
 On the CPU the same steps run as the aten reference (``rope_*_reference``), which Inductor fuses.
@@ -109,11 +112,18 @@ def _fused_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Sche
     through their ops (eager only)."""
     q_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(q_norm))
     k_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(k_norm))
-    # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
-    # does the same); Q first, so nothing runs between the two
-    q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
-    k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
-    k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
+    if quant.equalize_qk:  # μK and β from one look at a sample of q and k, then Q, then K
+        k_mean, q_mult, k_mult = rope_balance_op(xq, q_tables, xk, k_tables, quant.k_mean_sample, quant.smooth_k,
+                                                 interleaved, direct, q_norm, k_norm)
+        k_mean = k_mean if quant.smooth_k else None
+        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, channel_scale=q_mult, **q_producer)
+        k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, channel_scale=k_mult,
+                                       **k_producer)
+    else:  # K's quantize walks its tiles backwards right after the mean, starting on the tiles still in L2 (V's op
+        # does the same); Q first, so nothing runs between the two
+        q8, q_scale = rope_quantize_op(xq, q_tables, None, scale * spec.LOG2E, **q_producer)
+        k_mean = rope_mean_op(xk, k_tables, quant.k_mean_sample, **k_producer) if quant.smooth_k else None
+        k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
     v_t, v_scale, v_mean = prepare_v(v, quant, direct=direct)
     prepared = spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
                              delta_s=None, scheme=quant)
@@ -144,7 +154,12 @@ def _plain_launches():
 
 def _norm_kwargs(norm) -> dict:
     """(weight or None, eps) or None → rope_halves' norm_weight / norm_eps."""
-    return dict(norm_weight=None, norm_eps=None) if norm is None else dict(norm_weight=norm[0], norm_eps=float(norm[1]))
+    return dict(zip(("norm_weight", "norm_eps"), _norm_args(norm)))
+
+
+def _norm_args(norm) -> tuple:
+    """(weight or None, eps) or None → (norm_weight, norm_eps), each None without a norm."""
+    return (None, None) if norm is None else (norm[0], float(norm[1]))
 
 
 def prepare_v(v: torch.Tensor, quant: spec.Scheme, kv_lens: Optional[torch.Tensor] = None, direct: bool = False):
@@ -183,15 +198,28 @@ def rope_mean_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], sample:
     return spec.token_mean(rope_reference(x, tables, interleaved, norm_weight, norm_eps), None, sample)
 
 
+def rope_balance_reference(xq, q_tables, xk, k_tables, sample: int, smooth_k: bool, interleaved: bool = False,
+                           q_norm=None, k_norm=None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(μK — zeros without ``smooth_k`` —, β, 1/β), fp32 [B,Hkv,1,D] each, of rope(xq) and rope(xk) over ``sample``
+    tokens (spec steps 1 and 2': ``spec.qk_channel_balance``)."""
+    rq = rope_reference(xq, q_tables, interleaved, **_norm_kwargs(q_norm))
+    rk = rope_reference(xk, k_tables, interleaved, **_norm_kwargs(k_norm))
+    k_mean = spec.token_mean(rk, None, sample) if smooth_k else rk.new_zeros((*rk.shape[:2], 1, rk.shape[-1]))
+    return (k_mean, *spec.qk_channel_balance(rq, rk, k_mean, None, sample))
+
+
 def rope_quantize_reference(x: torch.Tensor, tables: Sequence[torch.Tensor], mean: Optional[torch.Tensor],
                             out_scale: float, thread_groups: bool = False, interleaved: bool = False,
-                            norm_weight: Optional[torch.Tensor] = None,
-                            norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of rope(x) − mean: spec step 3, per token (per
-    spec's per_thread K groups with ``thread_groups``)."""
+                            norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                            channel_scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [B,H,N,D], fp32 [B,H,N] = δ·out_scale) of (rope(x) − mean)·channel_scale: spec step 3, per token (per
+    spec's per_thread K groups with ``thread_groups``); channel_scale [B, H/G, 1, D], one row for each G heads (the
+    equalize_qk multipliers of a KV head), or None."""
     r = rope_reference(x, tables, interleaved, norm_weight, norm_eps)
     if mean is not None:
         r = r - mean
+    if channel_scale is not None:
+        r = r * spec.per_query_head(channel_scale, r.shape[1])
     amax = spec.group_amax(r, "per_thread" if thread_groups else "per_token", spec.THREAD_GROUP_KEYS)
     x8, delta = spec.quantize_symmetric(r, amax, spec.Scheme().qk_type.max_level)
     return x8, delta * out_scale
@@ -208,15 +236,28 @@ def rope_mean_op(x: torch.Tensor, tables: Sequence[torch.Tensor], sample: int = 
     return rope_mean_reference(x, tables, sample, interleaved, norm_weight, norm_eps)
 
 
+def rope_balance_op(xq, q_tables, xk, k_tables, sample: int, smooth_k: bool, interleaved: bool = False,
+                    direct: bool = False, q_norm=None, k_norm=None):
+    """The statistics step of equalize_qk on xk's device: sage::rope_balance on CUDA (its implementation itself
+    where ``direct``), the reference elsewhere."""
+    if xk.is_cuda:
+        balance = _rope_balance_cuda if direct else torch.ops.sage.rope_balance
+        return balance(xq, list(q_tables), xk, list(k_tables), sample, smooth_k, interleaved,
+                       *_norm_args(q_norm), *_norm_args(k_norm))
+    return rope_balance_reference(xq, q_tables, xk, k_tables, sample, smooth_k, interleaved, q_norm, k_norm)
+
+
 def rope_quantize_op(x, tables, mean, out_scale, thread_groups: bool = False, interleaved: bool = False,
                      norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
-                     direct: bool = False):
+                     direct: bool = False, channel_scale: Optional[torch.Tensor] = None):
     """The quantize step on x's device: sage::rope_quantize on CUDA (its implementation itself where ``direct``),
     the reference elsewhere."""
     if x.is_cuda:
         quantize = _rope_quantize_cuda if direct else torch.ops.sage.rope_quantize
-        return quantize(x, list(tables), mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
-    return rope_quantize_reference(x, tables, mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps)
+        return quantize(x, list(tables), mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps,
+                        channel_scale)
+    return rope_quantize_reference(x, tables, mean, out_scale, thread_groups, interleaved, norm_weight, norm_eps,
+                                   channel_scale)
 
 
 def _same_halves(tables) -> bool:
@@ -253,10 +294,33 @@ def _rope_mean_cuda(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0
     return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
 
 
+def _rope_balance_cuda(xq: torch.Tensor, q_tables: List[torch.Tensor], xk: torch.Tensor, k_tables: List[torch.Tensor],
+                       sample: int, smooth_k: bool, interleaved: bool = False,
+                       q_norm_weight: Optional[torch.Tensor] = None, q_norm_eps: Optional[float] = None,
+                       k_norm_weight: Optional[torch.Tensor] = None, k_norm_eps: Optional[float] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA: ``rope_balance_reference`` — K's sums and extremes in one pass over its sample, Q's extremes, then μK
+    (_rope_mean_cuda's reduction) and β, 1/β in one launch (Triton)."""
+    from . import prep_triton  # triton: absent from CPU builds of torch
+
+    batch, hkv, n, d = xk.shape
+    k_sums, k_ext = prep_triton.rope_partial_sums(xk, _table_args(k_tables, (batch, hkv, n, d // 2)),
+                                                  _same_halves(k_tables), sample=sample, interleaved=interleaved,
+                                                  norm_weight=k_norm_weight, norm_eps=k_norm_eps, extremes=True)
+    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+    k_mean = (prep_triton.reduce_splits(k_sums, count).view(batch, hkv, 1, d) if smooth_k
+              else xk.new_zeros((batch, hkv, 1, d), dtype=torch.float32))
+    _, q_ext = prep_triton.rope_partial_sums(xq, _table_args(q_tables, (*xq.shape[:3], d // 2)), _same_halves(q_tables),
+                                             sample=sample, interleaved=interleaved, norm_weight=q_norm_weight,
+                                             norm_eps=q_norm_eps, extremes=True)
+    q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_mean if smooth_k else None, hkv)
+    return k_mean, q_mult.view(batch, hkv, 1, d), k_mult.view(batch, hkv, 1, d)
+
+
 def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],
                         out_scale: float, thread_groups: bool = False, interleaved: bool = False,
-                        norm_weight: Optional[torch.Tensor] = None,
-                        norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                        channel_scale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """CUDA: ``rope_quantize_reference`` in one Triton kernel (int8 out contiguous; δ·out_scale stored by it)."""
     from . import prep_triton  # triton: absent from CPU builds of torch
 
@@ -265,7 +329,8 @@ def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optio
     deltas = torch.empty((batch, heads, n), dtype=torch.float32, device=x.device)
     prep_triton.launch_rope_quantize(x, _table_args(tables, (batch, heads, n, d // 2)), _same_halves(tables),
                                      mean, x8, deltas, out_scale, thread_groups=thread_groups,
-                                     interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps)
+                                     interleaved=interleaved, norm_weight=norm_weight, norm_eps=norm_eps,
+                                     channel_scale=channel_scale)
     return x8, deltas
 
 
@@ -284,5 +349,6 @@ def _v_quantize_cuda(v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     torch.library.triton_op("sage::rope_mean", _rope_mean_cuda, mutates_args=())
+    torch.library.triton_op("sage::rope_balance", _rope_balance_cuda, mutates_args=())
     torch.library.triton_op("sage::rope_quantize", _rope_quantize_cuda, mutates_args=())
     torch.library.triton_op("sage::v_quantize", _v_quantize_cuda, mutates_args=())

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from torch.library import wrap_triton
 
-from ..numerics.spec import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+from ..numerics.spec import BALANCE_LIMIT, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
 # tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
@@ -244,15 +244,16 @@ def _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: tl.constex
 def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                      c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
-                     out_ptr, H, N, TILES_PER_SPLIT, COUNT,
+                     out_ptr, ext_ptr, H, N, TILES_PER_SPLIT, COUNT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
                      EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr, EXTREMES: tl.constexpr = False):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
     same integer arithmetic: sample i ≥ 1 is key u·(N >> 15) + (u·(N mod 2^15) >> 15), u = i·20251 mod 2^15, where
-    N > COUNT, else key i − 1)."""
+    N > COUNT, else key i − 1). EXTREMES: also ext[bh, split] = (max, min) per channel of the same tokens' finite
+    values (spec.channel_extremes; −inf / +inf where there are none)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -260,6 +261,10 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     cols = tl.arange(0, HALF)
     acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
+    hi1 = tl.full([BLOCK, HALF], float("-inf"), tl.float32)
+    hi2 = tl.full([BLOCK, HALF], float("-inf"), tl.float32)
+    lo1 = tl.full([BLOCK, HALF], float("inf"), tl.float32)
+    lo2 = tl.full([BLOCK, HALF], float("inf"), tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         if SAMPLED:  # spec.mean_sample_positions: key ⌊u·N / 2^15⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
@@ -274,22 +279,36 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                             EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
         acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
         acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
+        if EXTREMES:
+            keep1 = mask & (tl.abs(r1) < float("inf"))
+            keep2 = mask & (tl.abs(r2) < float("inf"))
+            hi1 = tl.maximum(hi1, tl.where(keep1, r1, float("-inf")))
+            hi2 = tl.maximum(hi2, tl.where(keep2, r2, float("-inf")))
+            lo1 = tl.minimum(lo1, tl.where(keep1, r1, float("inf")))
+            lo2 = tl.minimum(lo2, tl.where(keep2, r2, float("inf")))
     base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
     tl.store(base + cols, tl.sum(acc1, axis=0))
     tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
+    if EXTREMES:  # [rows, splits, 2, D]: the maxima, then the minima
+        ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * HALF)
+        tl.store(ext + cols, tl.max(hi1, axis=0))
+        tl.store(ext + HALF + cols, tl.max(hi2, axis=0))
+        tl.store(ext + 2 * HALF + cols, tl.min(lo1, axis=0))
+        tl.store(ext + 3 * HALF + cols, tl.min(lo2, axis=0))
 
 
 @triton.jit
 def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
                           c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr,
-                          mean_ptr, out_ptr, scale_ptr, H, N,
+                          mean_ptr, chan_ptr, out_ptr, scale_ptr, H, N, CHAN_GROUP,
                           HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                           SAME_HALVES: tl.constexpr, THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr,
                           EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
                           HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1, HEADS: tl.constexpr = 1,
-                          ROTARY: tl.constexpr = True):
-    """int8 rope(x) − μ per token (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
+                          ROTARY: tl.constexpr = True, HAS_CHANNEL: tl.constexpr = False):
+    """int8 (rope(x) − μ)·m per token (m: HAS_CHANNEL's multiplier of each channel, row b·H/CHAN_GROUP + h/CHAN_GROUP
+    of chan [·, D] — spec.channel_balance's, one row per KV head —, else 1) (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
     (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
     groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4.
     A program takes TILES tiles of HEADS adjacent heads (of one batch row: H % HEADS == 0), reading each tile's
@@ -312,7 +331,8 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
         for j in range(HEADS):
             _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, mean_ptr, out_ptr, scale_ptr,
                                 N, bh0 + j, b, h0 + j, rows, cols, HALF, BLOCK, HAS_MEAN, THREAD_GROUPS, OUT_SCALE,
-                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
+                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY, chan_ptr,
+                                (bh0 + j) // CHAN_GROUP, HAS_CHANNEL)
 
 
 @triton.jit
@@ -320,7 +340,8 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: t
                         mean_ptr, out_ptr, scale_ptr, N, bh, b, h, rows, cols,
                         HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
                         THREAD_GROUPS: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT_PRODUCTS: tl.constexpr,
-                        INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr):
+                        INTERLEAVED: tl.constexpr, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr,
+                        chan_ptr, chan_row, HAS_CHANNEL: tl.constexpr):
     """One tile of one head of _rope_quantize_kernel (rows past N store nothing)."""
     row_ok = rows < N
     mask = row_ok[:, None]
@@ -329,6 +350,9 @@ def _rope_quantize_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps: t
     if HAS_MEAN:
         r1 = r1 - tl.load(mean_ptr + bh * 2 * HALF + cols)[None, :]
         r2 = r2 - tl.load(mean_ptr + bh * 2 * HALF + HALF + cols)[None, :]
+    if HAS_CHANNEL:  # spec.prepare's equalize_qk: one rounded product
+        r1 = _mul_rn(r1, tl.load(chan_ptr + chan_row * 2 * HALF + cols)[None, :])
+        r2 = _mul_rn(r2, tl.load(chan_ptr + chan_row * 2 * HALF + HALF + cols)[None, :])
     # spec's special values: a NaN counts as +inf in the amax (tl.max may drop a NaN; |±Inf| is +inf already), so a
     # poisoned row (its group, with THREAD_GROUPS) has amax = inf, δ = NaN below and an unspecified payload (1/δ = 0)
     amax = tl.maximum(tl.max(tl.where(r1 == r1, tl.abs(r1), float("inf")), axis=1),
@@ -387,6 +411,41 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
     if MEAN:
         acc = acc / COUNT
     tl.store(out_ptr + bh * D + cols, acc)
+
+
+@triton.jit
+def _balance_kernel(q_ext_ptr, k_ext_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROUP, Q_SPLITS, K_SPLITS,
+                    D: tl.constexpr, HAS_MEAN: tl.constexpr, LIMIT: tl.constexpr):
+    """spec.channel_balance for KV head row = b·Hkv + h: the extremes' partials [rows, splits, 2, D] of its GROUP
+    query heads (rows row·GROUP + g) and of its keys reduced, then the ranges, IEEE quotients and square roots."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, D)
+    q_hi = tl.full([D], float("-inf"), tl.float32)
+    q_lo = tl.full([D], float("inf"), tl.float32)
+    for i in range(0, GROUP * Q_SPLITS):
+        part = q_ext_ptr + (row * GROUP * Q_SPLITS + i) * 2 * D
+        q_hi = tl.maximum(q_hi, tl.load(part + cols))
+        q_lo = tl.minimum(q_lo, tl.load(part + D + cols))
+    k_hi = tl.full([D], float("-inf"), tl.float32)
+    k_lo = tl.full([D], float("inf"), tl.float32)
+    for i in range(0, K_SPLITS):
+        part = k_ext_ptr + (row * K_SPLITS + i) * 2 * D
+        k_hi = tl.maximum(k_hi, tl.load(part + cols))
+        k_lo = tl.minimum(k_lo, tl.load(part + D + cols))
+    mu = tl.load(mean_ptr + row * D + cols) if HAS_MEAN else tl.zeros([D], dtype=tl.float32)
+    r_q = tl.maximum(q_hi, -q_lo)
+    r_k = tl.maximum(k_hi - mu, mu - k_lo)
+    ok = (r_q > 0) & (r_k > 0) & (r_q < float("inf")) & (r_k < float("inf"))
+    r_q = tl.where(ok, r_q, 1.0)
+    r_k = tl.where(ok, r_k, 1.0)
+    tl.store(q_mult_ptr + row * D + cols, _sqrt_rn(tl.minimum(tl.maximum(_div_rn(r_k, r_q), 1.0 / LIMIT), LIMIT)))
+    tl.store(k_mult_ptr + row * D + cols, _sqrt_rn(tl.minimum(tl.maximum(_div_rn(r_q, r_k), 1.0 / LIMIT), LIMIT)))
+
+
+@triton.jit
+def _sqrt_rn(a):
+    """IEEE √a (round to nearest even)."""
+    return tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -477,21 +536,37 @@ def _tables_or_none(x: torch.Tensor, table_args: list) -> tuple:
 
 
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, sample: int = 0, interleaved: bool = False,
-                      norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> torch.Tensor:
+                      norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                      extremes: bool = False):
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens — or, with sample S > 0, over its share of the
     keys spec.mean_sample_positions(N, S) takes. interleaved / norm_weight / norm_eps: the producer
-    (prep.rope_halves); D in the halves' order."""
+    (prep.rope_halves); D in the halves' order. ``extremes``: (those sums, fp32 [B·H, splits, 2, D] the max and min
+    of the same tokens' finite values)."""
     batch, heads, n, d = x.shape
     tiling = heuristics("sum", d, sampled=sample > 0)
     splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
+    ext = torch.empty((batch * heads, splits, 2, d), dtype=torch.float32, device=x.device) if extremes else partial
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x, interleaved), *table_args, *producer, partial, heads, n, tiling.tiles, sample, HALF=d // 2,
+        *_x_args(x, interleaved), *table_args, *producer, partial, ext, heads, n, tiling.tiles, sample, HALF=d // 2,
         BLOCK=tiling.block, SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary,
-        num_warps=tiling.warps)
-    return partial
+        EXTREMES=extremes, num_warps=tiling.warps)
+    return (partial, ext) if extremes else partial
+
+
+def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_mean: Optional[torch.Tensor], kv_heads: int):
+    """spec.channel_balance from the extremes' partials of q ([B·Hq, splits, 2, D]) and k ([B·Hkv, splits', 2, D]) and
+    μK ([B,Hkv,1,D] or None): (β, 1/β), fp32 [B·Hkv, D] each, in one launch."""
+    rows, d = k_ext.shape[0], k_ext.shape[-1]
+    q_mult = torch.empty((rows, d), dtype=torch.float32, device=k_ext.device)
+    k_mult = torch.empty_like(q_mult)
+    mean_arg = k_mean.reshape(rows, d).contiguous() if k_mean is not None else q_mult
+    wrap_triton(_balance_kernel)[(rows,)](q_ext, k_ext, mean_arg, q_mult, k_mult, q_ext.shape[0] // rows,
+                                          q_ext.shape[1], k_ext.shape[1], D=d, HAS_MEAN=k_mean is not None,
+                                          LIMIT=BALANCE_LIMIT, num_warps=1)
+    return q_mult, k_mult
 
 
 def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
@@ -507,8 +582,10 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
 
 def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out_scale: float = 1.0,
                          thread_groups: bool = False, interleaved: bool = False,
-                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None) -> None:
-    """x8 ← int8 rope(x) − mean, deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
+                         norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
+                         channel_scale: Optional[torch.Tensor] = None) -> None:
+    """x8 ← int8 (rope(x) − mean)·channel_scale (channel_scale [B, H/G, 1, D]: a row for each G heads; None: 1),
+    deltas ← δ·out_scale per token (thread_groups: per spec's per_thread K
     groups, a tile each). interleaved / norm_weight / norm_eps: the producer (prep.rope_halves). A program takes
     ``heuristics``' heads where every table is the same for all heads (head stride 0) and that divides H, else 1."""
     batch, heads, n, d = x.shape
@@ -522,14 +599,16 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
     else:
         tiles = triton.cdiv(n, tiling.block)
     mean_arg = mean.contiguous() if mean is not None else deltas  # [B,H,1,D]
+    chan_arg = channel_scale.contiguous() if channel_scale is not None else deltas
+    chan_group = heads // channel_scale.shape[1] if channel_scale is not None else 1
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
     grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiling.tiles))
     wrap_triton(_rope_quantize_kernel)[grid](
-        *_x_args(x, interleaved), *table_args, *producer, mean_arg, x8, deltas, heads, n,
+        *_x_args(x, interleaved), *table_args, *producer, mean_arg, chan_arg, x8, deltas, heads, n, chan_group,
         HALF=d // 2, BLOCK=tiling.block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
         THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiling.tiles,
-        HEADS=heads_per_program, ROTARY=rotary, num_warps=tiling.warps)
+        HEADS=heads_per_program, ROTARY=rotary, HAS_CHANNEL=channel_scale is not None, num_warps=tiling.warps)
 
 
 def absmax_partials(x: torch.Tensor) -> torch.Tensor:

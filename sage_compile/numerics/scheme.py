@@ -69,12 +69,15 @@ class Scheme:
 
     ``qk``: QK operand type (``QK_TYPES``). ``q_granularity`` / ``k_granularity``: scale groups —
     per_token, per_block (``q_block`` / ``k_block`` consecutive tokens) or, for K, per_thread (the sm90
-    kernel's accumulator groups, THREAD_GROUP_KEYS; K's default: as accurate as per-token K on real weights,
-    and the faster kernel — docs/configuration.md has the table; with fp4 the groups of the fp32 second-level scale).
+    kernel's accumulator groups, THREAD_GROUP_KEYS: the faster kernel, less accurate on some real models —
+    docs/configuration.md has the table; with fp4 the groups of the fp32 second-level scale).
     ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
     subtract the token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
-    the kernel, needed for int4). ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK from that many
-    keys where there are more (0: all keys; any μK is exact after dequantization). ``qk="fp4"`` and ``pv="fp4"``
+    the kernel, needed for int4). ``equalize_qk``: before quantizing, multiply each channel of Q by β and of K by 1/β,
+    β = √(K's range / Q's range) per KV head and channel — the scores are unchanged and both operands' channel ranges
+    become alike, so neither loses its small channels to the other's large ones (spec.channel_balance).
+    ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK and the channel ranges from that many
+    tokens where there are more (0: all tokens; any μK and β are exact after dequantization). ``qk="fp4"`` and ``pv="fp4"``
     (NVFP4) go together.
     """
 
@@ -86,6 +89,7 @@ class Scheme:
     smooth_q: bool = False
     smooth_k: bool = True
     smooth_v: bool = False
+    equalize_qk: bool = True
     pv: str = "fp8"
     k_mean_sample: int = 512
 

@@ -5,6 +5,8 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
    to every score of a row).
 2. Smooth Q (optional): μQ = mean of q over each group of q_block tokens; q̃ = q − μQ; ΔS_j = μQ·k̃_j is added
    to the scores in the kernel.
+2'. Equalize (``equalize_qk``, the default): q̃ ← q̃·β, k̃ ← k̃/β per KV head and channel, β = √(range of k̃ / range
+   of q) over a sample of tokens (``channel_balance``) — the scores are unchanged, the two operands' ranges alike.
 3. Quantize q̃, k̃ symmetrically: δ = amax|x| over a group / max_level, x̂ = clamp(rint(x·fl(1/δ))). Groups per
    token, per_thread (the sm90 accumulator's key groups) or per_block. s·log2(e) is folded into δQ.
 4. S = (q̂·k̂ᵀ exact in int32)·δQ·δK + ΔS, fp32, base 2. Online softmax: P̃ = exp2(S − m) ∈ (0, 1].
@@ -93,7 +95,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -354,6 +356,65 @@ def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample
     return rows.sum(dim=-2, keepdim=True) / count.view(-1, 1, 1, 1)
 
 
+def channel_extremes(x: torch.Tensor, kv_lens: Optional[torch.Tensor] = None, sample: int = 0):
+    """(max, min), fp32 [B,H,1,D] each, of x's finite elements per channel over its tokens — each batch's valid keys
+    with kv_lens; with ``sample`` S > 0 the tokens ``mean_sample_positions`` picks, as ``token_mean`` —; (−∞, +∞)
+    where there are none."""
+    b, h, n, d = x.shape
+    if statically_known_true(n == 0):  # no token to index
+        none = x.new_full((b, h, 1, d), math.inf, dtype=torch.float32)
+        return -none, none
+    if sample:
+        lens = kv_lens.to(torch.int64) if kv_lens is not None else torch.full((1,), n, dtype=torch.int64,
+                                                                              device=x.device)
+        pos, taken = mean_sample_positions(lens, sample)
+        if kv_lens is None:
+            rows, keep = x.index_select(-2, pos[0]).float(), taken[0][:, None]
+        else:
+            rows, keep = torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float(), taken[:, None, :, None]
+    else:
+        rows = x.float()
+        keep = valid_key_mask(kv_lens, n)[:, None, :, None] if kv_lens is not None else torch.isfinite(rows)
+    keep = keep & torch.isfinite(rows)
+    return (torch.where(keep, rows, -math.inf).amax(dim=-2, keepdim=True),
+            torch.where(keep, rows, math.inf).amin(dim=-2, keepdim=True))
+
+
+BALANCE_LIMIT = 2.0 ** 64  # channel_balance's ratio of ranges is clamped into [1/limit, limit]
+
+
+def channel_balance(q_max, q_min, k_max, k_min, k_mean) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``Scheme.equalize_qk``'s multipliers (β, 1/β), fp32 [B,Hkv,1,D] each, from ``channel_extremes`` of q [B,Hq,1,D]
+    and of k [B,Hkv,1,D] and μK [B,Hkv,1,D] (zeros without K smoothing). Q's range r_Q = max(max, −min), the largest
+    over the query heads of each KV head (they share its K̂); K's r_K = max(max − μK, μK − min), the range of the
+    smoothed keys; β = √(r_K / r_Q) and 1/β = √(r_Q / r_K), each an IEEE division and square root, the ratio
+    clamped into [2⁻⁶⁴, 2⁶⁴]. Both 1 for a channel where either range is not positive and finite. (q·β)·(k̃/β) is
+    q·k̃ up to two roundings; amax(q·β) and amax(k̃/β) are both √(r_Q·r_K): the channel with a large K range and a
+    small Q range (or the reverse) no longer sets one operand's scale while its other channels quantize coarsely."""
+    hkv = k_max.shape[1]
+    r_q = torch.maximum(q_max, -q_min).unflatten(1, (hkv, -1)).amax(dim=2)
+    r_k = torch.maximum(k_max - k_mean, k_mean - k_min)
+    ok = (r_q > 0) & (r_k > 0) & torch.isfinite(r_q) & torch.isfinite(r_k)
+    r_q, r_k = torch.where(ok, r_q, 1.0), torch.where(ok, r_k, 1.0)
+    return _rounded_sqrt(r_k / r_q), _rounded_sqrt(r_q / r_k)
+
+
+def _rounded_sqrt(ratio: torch.Tensor) -> torch.Tensor:
+    """√ of the ratio clamped into [1/BALANCE_LIMIT, BALANCE_LIMIT], correctly rounded to fp32 (taken in float64 and
+    rounded once — exact for a square root —: torch's fp32 sqrt on the CPU is off by an ulp for ~17% of inputs)."""
+    return ratio.clamp(1 / BALANCE_LIMIT, BALANCE_LIMIT).double().sqrt().float()
+
+
+def qk_channel_balance(q, k, k_mean, kv_lens, sample: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``channel_balance`` of q and k (``channel_extremes`` over ``sample`` tokens): (β, 1/β) [B,Hkv,1,D]."""
+    return channel_balance(*channel_extremes(q, None, sample), *channel_extremes(k, kv_lens, sample), k_mean)
+
+
+def per_query_head(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """[B,Hkv,...] → [B,Hq,...]: each KV head's rows for its query heads."""
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
 def valid_key_mask(kv_lens: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=kv_lens.device)[None, :] < kv_lens[:, None]
 
@@ -407,6 +468,11 @@ def prepare(
         q_mean = _block_mean(qf, quant.q_block)
         qf = qf - q_mean.repeat_interleave(quant.q_block, dim=-2)[..., : q.shape[-2], :]
         delta_s = _grouped_matmul(q_mean, k_smooth.transpose(-1, -2)) * score_scale
+
+    if quant.equalize_qk:  # step 2': (q·β)·(k̃/β), channel ranges balanced (ΔS above from the unscaled operands)
+        q_mult, k_mult = qk_channel_balance(q, k, k_mean, kv_lens, quant.k_mean_sample)
+        qf = qf * per_query_head(q_mult, q.shape[1])
+        k_smooth = k_smooth * k_mult
 
     q_amax = group_amax(qf, quant.q_granularity, quant.q_block)  # step 3
     valid = valid_key_mask(kv_lens, k.shape[-2]) if kv_lens is not None else None

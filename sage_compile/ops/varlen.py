@@ -11,6 +11,7 @@ sequence by sequence without padding any of them to the longest.
 * ``sage::document_attention`` — opaque: SDPA under a document mask as one varlen run (placed by
   passes/document_mask.py).
 
+The packed prep does not equalize Q and K (``packed_scheme`` turns ``equalize_qk`` off, and says so once).
 Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``scheme_problem``) and inputs that
 require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
 """
@@ -24,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels import KernelArgs, dispatch, prep
 from ..numerics import spec
+from ..numerics.notices import warn_once
 from ..numerics.scheme import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
 from ..policy.config import SageConfig
 from ..policy.support import AttentionCall, runs_eagerly, unsupported_reason
@@ -37,6 +39,17 @@ def scheme_problem(scheme: Scheme) -> Optional[str]:
     if scheme.qk_type.channel_block is not None:
         return f"qk={scheme.qk!r} scales per channel block, not packed"
     return None
+
+
+def packed_scheme(scheme: Scheme) -> Scheme:
+    """The scheme the packed prep runs: ``scheme`` without ``equalize_qk`` (β per sequence is not packed yet), said
+    once."""
+    if not scheme.equalize_qk:
+        return scheme
+    warn_once("varlen", "equalize_qk", "sage_compile: packed (varlen) attention quantizes Q and K without equalize_qk "
+              "(its channel balance per sequence is not implemented in the packed prep): per-token scales only, as "
+              "SageConfig(equalize_qk=False) — less accurate on models with unbalanced Q/K channels (docs/configuration.md)")
+    return scheme.replace(equalize_qk=False)
 
 
 @dataclass
@@ -244,7 +257,7 @@ def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
                                     config=""):
     """The packed prep in aten ops + sage.quantized_attention_varlen: returns (out [Tq,Hq,D], lse [Hq,Tq] fp32, natural
     log of each row's scaled scores, −inf for a row that sees no key). Callers check ``packed_problem`` first."""
-    scheme = SageConfig.from_op_key(config).scheme
+    scheme = packed_scheme(SageConfig.from_op_key(config).scheme)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
         p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, scheme)

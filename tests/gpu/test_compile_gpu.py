@@ -37,13 +37,16 @@ def test_generated_code_runs_the_quantized_op_per_layer_and_no_sdpa():
     assert _cos(out, ref) > 0.999
 
 
-@pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
-def test_prep_fuses_into_the_producers(k_granularity):
+@pytest.mark.parametrize("k_granularity,equalize", [("per_token", False), ("per_thread", False), ("per_token", True),
+                                                    ("per_thread", True)])
+def test_prep_fuses_into_the_producers(k_granularity, equalize):
     """Q's and K's quantization each fuse with their producer (an RMS norm Inductor generates): exactly two Inductor
     kernels round to int8, and each also computes the norm — none only casts q or k; per-token, each also computes
     its amax. per_thread K reduces its 32-key groups' amax in a kernel of its own (norm + token amax, then the group
-    max), so K's rounding kernel reads it: two launches more. Kernels are counted by launch (``.run(``): the
-    generated code also carries the @triton.jit helpers our own kernels call (_div_rn, _mul_rn, ...)."""
+    max), so K's rounding kernel reads it: two launches more. equalize_qk (the default) adds its ranges: the sampled
+    rows of q and k gathered, their maxima and minima, β — six launches more on this generic path (the fused rotary
+    prep takes two). Kernels are counted by launch (``.run(``): the generated code also carries the @triton.jit
+    helpers our own kernels call (_div_rn, _mul_rn, ...)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -53,7 +56,7 @@ def test_prep_fuses_into_the_producers(k_granularity):
         return F.scaled_dot_product_attention(q, k, v.transpose(1, 2))
 
     xq, xk, v = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    config = ALWAYS.replace(k_granularity=k_granularity)
+    config = ALWAYS.replace(k_granularity=k_granularity, equalize_qk=equalize)
     compiled = sage_compile.compile(block, config=config, options={"force_disable_caches": True})
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, xq, xk, v)
@@ -61,10 +64,11 @@ def test_prep_fuses_into_the_producers(k_granularity):
     print(f"prep + producers, K {k_granularity}: {len(launched)} kernel launches: {launched}")
     rounding = [name for name in launched if "round" in name]
     assert len(rounding) == 2 and all("rms_norm" in name for name in rounding), launched
-    assert sum("amax" in name for name in rounding) == (2 if k_granularity == "per_token" else 1), launched
+    if not equalize:  # with it, the fused names also carry β's amax
+        assert sum("amax" in name for name in rounding) == (2 if k_granularity == "per_token" else 1), launched
     # our V prep (amax partials, their reduction, quantize), the norm's statistics, μK's sampled sum (gather and
     # two reduction stages), Q's and K's quantize: 9 launches on torch 2.11; per_thread K 11 (K's group amax)
-    assert len(launched) <= (9 if k_granularity == "per_token" else 11), launched
+    assert len(launched) <= (9 if k_granularity == "per_token" else 11) + (6 if equalize else 0), launched
     assert _cos(out, block(*(t.float() for t in (xq, xk, v)))) > 0.999
 
 

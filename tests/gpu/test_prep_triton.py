@@ -46,23 +46,31 @@ def _cpu(tables):
 @given(batch=st.integers(1, 2), heads=st.sampled_from([1, 2, 3, 4, 8]), n=st.sampled_from([1, 63, 64, 65, 200, 1000]),
        d=st.sampled_from([64, 128]), layout=st.sampled_from(["bhnd", "bnhd"]),
        kind=st.sampled_from(["half", "full", "none"]), with_mean=st.booleans(), thread_groups=st.booleans(),
-       seed=st.integers(0, 2**16))
-@example(batch=1, heads=1, n=1, d=64, layout="bhnd", kind="half", with_mean=True, thread_groups=True, seed=0)
-@example(batch=2, heads=8, n=65, d=128, layout="bnhd", kind="half", with_mean=True, thread_groups=False, seed=3)
-@example(batch=1, heads=4, n=200, d=64, layout="bnhd", kind="half", with_mean=True, thread_groups=True, seed=4)
-@example(batch=2, heads=3, n=1000, d=128, layout="bnhd", kind="none", with_mean=True, thread_groups=True, seed=5)
-def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, thread_groups, seed):
+       channel_rows=st.sampled_from([None, "per_head", "one"]), seed=st.integers(0, 2**16))
+@example(batch=1, heads=1, n=1, d=64, layout="bhnd", kind="half", with_mean=True, thread_groups=True,
+         channel_rows=None, seed=0)
+@example(batch=2, heads=8, n=65, d=128, layout="bnhd", kind="half", with_mean=True, thread_groups=False,
+         channel_rows="one", seed=3)
+@example(batch=1, heads=4, n=200, d=64, layout="bnhd", kind="half", with_mean=True, thread_groups=True,
+         channel_rows="per_head", seed=4)
+@example(batch=2, heads=3, n=1000, d=128, layout="bnhd", kind="none", with_mean=True, thread_groups=True,
+         channel_rows=None, seed=5)
+def test_rope_quantize_equals_reference(batch, heads, n, d, layout, kind, with_mean, thread_groups, channel_rows, seed):
     """Bit-equal to the reference. Half tables are fp32 and shared by every head: with 4 or 8 heads a program
-    quantizes 4 heads, reading each tile's tables once (QUANTIZE_HEADS_FP32_TABLES)."""
+    quantizes 4 heads, reading each tile's tables once (QUANTIZE_HEADS_FP32_TABLES). ``channel_rows``: equalize_qk's
+    multipliers, a row per head (K) or one row for all heads (the query heads of one KV head)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = _layout_x(batch, heads, n, d, g, layout)
     tables = _tables(batch, heads, n, d, g, kind)
     mean = torch.randn(batch, heads, 1, d, generator=g, device=DEV) if with_mean else None
     if with_mean and n == 1:  # μ = the only token: an all-zero row, whose δ is the smallest normal; keys past
         mean = prep.rope_reference(x, tables).float().contiguous()  # N must not lift its per_thread group (−μ)
-    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups)
+    rows = {None: 0, "per_head": heads, "one": 1}[channel_rows]
+    channel = torch.rand(batch, rows, 1, d, generator=g, device=DEV) * 4 + 0.25 if rows else None
+    x8, scale = torch.ops.sage.rope_quantize(x, tables, mean, 0.125, thread_groups, channel_scale=channel)
     ref8, ref_scale = prep.rope_quantize_reference(x.cpu(), _cpu(tables), None if mean is None else mean.cpu(), 0.125,
-                                                   thread_groups)
+                                                   thread_groups, channel_scale=None if channel is None else
+                                                   channel.cpu())
     assert x8.is_contiguous() and x8.dtype == torch.int8
     assert torch.equal(x8.cpu(), ref8), (x8.cpu().int() - ref8.int()).abs().max()
     assert torch.equal(scale.cpu(), ref_scale)
@@ -199,6 +207,32 @@ def test_rope_mean_matches_reference(batch, heads, n, d, kind, sample, seed):
         r = r[:, :, pos[0][taken[0]]]
     bound = 1e-4 * r.abs().mean(dim=-2, keepdim=True) + 1e-30
     assert mean.shape == (batch, heads, 1, d) and ((mean.cpu().double() - r.mean(dim=-2, keepdim=True)).abs() <= bound).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 2), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 4]),
+       n_q=st.sampled_from([1, 65, 700]), n_k=st.sampled_from([1, 100, 2000]), d=st.sampled_from([64, 128]),
+       kind=st.sampled_from(["half", "none"]), sample=st.sampled_from([0, 16, 512]), smooth_k=st.booleans(),
+       seed=st.integers(0, 2**16))
+@example(batch=1, hkv=2, group=4, n_q=700, n_k=2000, d=128, kind="half", sample=512, smooth_k=True, seed=1)
+def test_rope_balance_matches_reference(batch, hkv, group, n_q, n_k, d, kind, sample, smooth_k, seed):
+    """equalize_qk's statistics step (sage::rope_balance: μK, β, 1/β from a sample of rope(q) and rope(k)) against the
+    CPU reference: μK within its summation order; β and 1/β bit for bit without K smoothing, within μK's rounding
+    with it. Channel-biased keys and a few large query channels, as real models have."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    xq = _layout_x(batch, hkv * group, n_q, d, g, "bnhd") * (1 + 4 * (torch.rand(d, generator=g, device=DEV) < 0.1))
+    xk = _layout_x(batch, hkv, n_k, d, g, "bhnd") + torch.linspace(-6, 6, d, device=DEV)
+    xq, xk = xq.bfloat16(), xk.bfloat16()
+    q_tables = _tables(batch, hkv * group, n_q, d, g, kind)
+    k_tables = _tables(batch, hkv, n_k, d, g, kind)
+    got = torch.ops.sage.rope_balance(xq, q_tables, xk, k_tables, sample, smooth_k)
+    want = prep.rope_balance_reference(xq.cpu(), _cpu(q_tables), xk.cpu(), _cpu(k_tables), sample, smooth_k)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape == (batch, hkv, 1, d)
+        if smooth_k:
+            torch.testing.assert_close(a.cpu(), b, rtol=2e-6, atol=1e-6)
+        else:
+            assert torch.equal(a.cpu(), b)
 
 
 @settings(max_examples=24, deadline=None)
@@ -363,7 +397,9 @@ def test_eager_sage_attention_runs_the_fused_prep(causal, k_granularity, gqa):
         fused = prep.plain_prepare(q, k, v, scale, scheme)
         # the spec on the CPU: on CUDA, torch divides by a scalar as a product with its reciprocal (amax/127)
         ref = spec.prepare(q.cpu(), k.cpu(), v.cpu(), scale, scheme)
-        assert torch.equal(fused.q.cpu(), ref.q) and torch.equal(fused.q_scale.cpu(), ref.q_scale)
+        # β (equalize_qk) is taken from μK too, so Q is also equal up to μK's summation order
+        assert (fused.q.cpu().int() - ref.q.int()).abs().max() <= 1
+        torch.testing.assert_close(fused.q_scale.cpu(), ref.q_scale, rtol=1e-5, atol=0)
         assert (fused.k.cpu().int() - ref.k.int()).abs().max() <= 1
         torch.testing.assert_close(fused.k_scale.cpu(), ref.k_scale, rtol=1e-5, atol=0)
         assert torch.equal(fused.v.cpu().view(torch.uint8), ref.v.view(torch.uint8))

@@ -24,8 +24,9 @@ def forward_scheme(scheme):
     did, which smooth_v removes. K per token: the backward recomputes S from the forward's K̂, and with 10σ outliers
     a 32-key group's shared δK coarsened S enough to cost dK its 0.999 against fp32 (a CPU study of the spec); per
     token it holds (bench backward, docs/results: dk ≥ 0.9990 on the outlier mix), N(0,1) and channel bias no worse.
-    (dQ's own K operand is K̂ᶜ, made from the 16-bit k: spec.prepare_backward.)"""
-    return scheme.replace(pv="fp16", smooth_v=True, k_granularity="per_token")
+    (dQ's own K operand is K̂ᶜ, made from the 16-bit k: spec.prepare_backward.) No equalize_qk: dK = dŜᵀQ̂ takes the
+    forward's Q̂, which would hold q·β."""
+    return scheme.replace(pv="fp16", smooth_v=True, k_granularity="per_token", equalize_qk=False)
 
 
 def saved(q, k, v, attn_mask, kernel_mask, prepared, out, lse):
