@@ -250,6 +250,74 @@ def test_sampled_mean_smooths_k_as_well_as_the_full_mean():
     assert err_sampled < 1.05 * err_full
 
 
+def _unbalanced_qk(seed, hq=4, hkv=2, n=300, d=64):
+    """q with a few large channels (QK-norm weights, a q_proj bias) and k with large channels elsewhere: the channel
+    ranges of the two disagree, as on real models' worst attention sites."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, n, d, generator=g) * (1 + 15 * (torch.arange(d) % 16 == 3)) + 4 * (torch.arange(d) % 7 == 0)
+    k = torch.randn(1, hkv, n, d, generator=g) * (1 + 15 * (torch.arange(d) % 16 == 9)) + 3
+    return q.bfloat16(), k.bfloat16(), torch.randn(1, hkv, n, d, generator=g).bfloat16()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), sample=st.sampled_from([0, 16, 512]), groups=st.sampled_from([1, 2, 7]))
+def test_equalize_balances_the_ranges_and_keeps_the_scores(seed, sample, groups):
+    """β and 1/β (spec.channel_balance) make Q's range (the largest over the query heads of a KV head) and the smoothed
+    K's range equal per channel over the tokens they were taken from, their product is 1 within two roundings, and the
+    scores of the scaled operands are the exact scores within fp32 rounding (no quantization yet)."""
+    q, k, _ = _unbalanced_qk(seed, hq=2 * groups, hkv=2)
+    k_mean = spec.token_mean(k, None, sample)
+    q_mult, k_mult = spec.qk_channel_balance(q, k, k_mean, None, sample)
+    assert q_mult.shape == k_mult.shape == (1, 2, 1, 64) and (q_mult > 0).all()
+    torch.testing.assert_close(q_mult * k_mult, torch.ones_like(q_mult), rtol=3e-7, atol=0)
+    if sample == 0:  # the ranges over every token are equalized
+        r_q = (q.float() * spec.per_query_head(q_mult, q.shape[1])).abs().amax(-2, keepdim=True)
+        r_q = r_q.unflatten(1, (2, -1)).amax(2)
+        r_k = ((k.float() - k_mean) * k_mult).abs().amax(-2, keepdim=True)
+        torch.testing.assert_close(r_q, r_k, rtol=1e-6, atol=0)
+    scaled = (q.float() * spec.per_query_head(q_mult, q.shape[1])) @ spec.per_query_head(
+        (k.float() - k_mean) * k_mult, q.shape[1]).transpose(-1, -2)
+    exact = q.float() @ spec.per_query_head(k.float() - k_mean, q.shape[1]).transpose(-1, -2)
+    torch.testing.assert_close(scaled, exact, rtol=1e-5, atol=1e-3 * exact.abs().max().item() * 1e-2)
+
+
+def test_equalize_cuts_the_error_of_unbalanced_channels():
+    """On unbalanced channels INT8 QK with equalize_qk (the default) is far more accurate than without; on N(0,1)
+    channels, whose ranges agree already, it changes nothing that matters (error within 10% either way)."""
+    q, k, v = _unbalanced_qk(3, n=512)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    err = {eq: 1 - cosine(spec.reference_attention(q, k, v, quant=spec.Scheme(equalize_qk=eq)), ref)
+           for eq in (False, True)}
+    assert err[True] < err[False] / 4, err
+    q, k, v = random_qkv(1, 4, 2, 512, 512, 64, seed=4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    plain = {eq: rel_l1(spec.reference_attention(q, k, v, quant=spec.Scheme(equalize_qk=eq)), ref)
+             for eq in (False, True)}
+    assert 0.9 < plain[True] / plain[False] < 1.1, plain
+
+
+def test_equalize_takes_no_poison_and_leaves_dead_channels_alone():
+    """Non-finite elements set no range (a NaN token of q does not poison β, and through it every token); a channel
+    that is zero in q or in the smoothed k keeps β = 1; keys past kv_lens set no range."""
+    q, k, _ = _unbalanced_qk(5)
+    q[..., 10] = 0
+    k[..., 20] = 7  # constant: zero once smoothed
+    clean = q.clone()
+    clean[0, 1, 7, 3] = clean[0, 0, 9, 5] = 0  # channels 3 and 5 straddle 0: a 0 there sets no range
+    q[0, 1, 7, 3], q[0, 0, 9, 5] = float("nan"), float("inf")
+    k_mean = spec.token_mean(k, None)
+    q_mult, k_mult = spec.qk_channel_balance(q, k, k_mean, None, 0)
+    assert torch.isfinite(q_mult).all() and torch.isfinite(k_mult).all()
+    assert (q_mult[..., 10] == 1).all() and (q_mult[..., 20] == 1).all() and (k_mult[..., 20] == 1).all()
+    assert torch.equal(q_mult, spec.qk_channel_balance(clean, k, k_mean, None, 0)[0])
+    lens = torch.tensor([150])
+    junk = k.clone()
+    junk[:, :, 150:] = 1e4
+    mean = spec.token_mean(k[:, :, :150], None)
+    assert torch.equal(spec.qk_channel_balance(q, junk, mean, lens, 0)[1],
+                       spec.qk_channel_balance(q, k[:, :, :150], mean, None, 0)[1])
+
+
 def test_k_mean_sample_must_be_a_count():
     with pytest.raises(ValueError, match="k_mean_sample"):
         spec.Scheme(k_mean_sample=-1)
