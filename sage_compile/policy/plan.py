@@ -43,9 +43,12 @@ PLAN_VERSION = 2  # 2: per-step rungs (``steps``, ``measured_steps``); version 1
 @dataclass(frozen=True)
 class Target:
     """What a rung must meet at every call of a site, against the site's SDPA output: cosine ≥ ``cos`` and relative
-    L1 ≤ ``rel_l1``. The defaults are the bar the kernels' accuracy tests hold on random inputs (tests/gpu_cases.py)."""
+    L1 ≤ ``rel_l1``. ``cos``: every site of the real-model suite meets it with the default numerics (worst 0.99940,
+    bench accuracy), and plans made with it kept every suite model within 0.3% perplexity of bf16 SDPA (Gemma 3 270M
+    +0.20%, where 0.999 let per_thread K take every site: +0.39%; docs/results); ``rel_l1``: the bar the kernels'
+    accuracy tests hold on random inputs (tests/gpu_cases.py)."""
 
-    cos: float = 0.999
+    cos: float = 0.9993
     rel_l1: float = 0.06
 
     def met(self, stats: dict) -> bool:
