@@ -307,12 +307,13 @@ def _rope_quantize_kernel(x_ptr, sxb, sxh, sxn, sxd,
                           EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
                           HAS_WEIGHT: tl.constexpr = False, TILES: tl.constexpr = 1, HEADS: tl.constexpr = 1,
                           ROTARY: tl.constexpr = True, HAS_CHANNEL: tl.constexpr = False):
-    """int8 (rope(x) − μ)·m per token (m: HAS_CHANNEL's multiplier of each channel, row b·H/CHAN_GROUP + h/CHAN_GROUP
-    of chan [·, D] — spec.channel_balance's, one row per KV head —, else 1) (δ = fma_friendly(max(amax/127, tiny)), x̂ = rint(x·(1/δ))) and δ·OUT_SCALE
-    (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile is one of spec's per_thread
-    groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile // 4, t = tile % 4.
-    A program takes TILES tiles of HEADS adjacent heads (of one batch row: H % HEADS == 0), reading each tile's
-    tables once for its HEADS heads (HEADS > 1 only where the tables are the same for every head)."""
+    """int8 (rope(x) − μ)·m per token (m: HAS_CHANNEL's multiplier of each channel, row (b·H + h) / CHAN_GROUP of chan
+    [·, D] — spec.channel_balance's, one row per KV head —, else 1; δ = fma_friendly(max(amax/127, tiny)), x̂ =
+    rint(x·(1/δ))) and δ·OUT_SCALE (a constexpr: one compile per softmax scale). THREAD_GROUPS (BLOCK = 32): the tile
+    is one of spec's per_thread groups and shares its amax — keys 16G + 4t + j (G < 8, j < 4) of 128-key block tile
+    // 4, t = tile % 4. A program takes TILES tiles of HEADS adjacent heads (of one batch row: H % HEADS == 0),
+    reading each tile's tables once for its HEADS heads (HEADS > 1 only where the tables are the same for every
+    head)."""
     head_group, tile_group = _second_pass_program()
     bh0 = head_group * HEADS
     b = bh0 // H
@@ -556,7 +557,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
     return (partial, ext) if extremes else partial
 
 
-def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_mean: Optional[torch.Tensor], kv_heads: int):
+def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_mean: Optional[torch.Tensor]):
     """spec.channel_balance from the extremes' partials of q ([B·Hq, splits, 2, D]) and k ([B·Hkv, splits', 2, D]) and
     μK ([B,Hkv,1,D] or None): (β, 1/β), fp32 [B·Hkv, D] each, in one launch."""
     rows, d = k_ext.shape[0], k_ext.shape[-1]

@@ -20,9 +20,7 @@ NEVER = math.inf
 #     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
 #     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
 #   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99); H200 0.95, 1.00: never clearly ahead.
-# Those files predate equalize_qk (now the default). An A/B run on the H200 (same harness, 3 interleaved rounds, per-token
-# K with and without it) measured D=128 non-causal 4K/16K 1.05/1.16 with it vs 1.09/1.18 without (causal 0.98/1.18 vs
-# 1.05/1.23), D=64 0.91/0.985 vs 0.93/0.995: the same entries hold (causal from 8K).
+# Those files predate equalize_qk (now the default: two prep launches more); not re-measured with it yet.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,

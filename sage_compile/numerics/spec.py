@@ -340,18 +340,23 @@ def mean_sample_positions(n: torch.Tensor, count: int):
     return torch.where(n > count, weyl, in_order), i <= n
 
 
-def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int) -> torch.Tensor:
-    """token_mean over the sampled keys: a gather of S rows, never a pass over all of x; μ = 0 without keys."""
+def _sampled_rows(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int):
+    """(fp32 rows [B,H,S,D] of x at ``mean_sample_positions``, bool ``taken`` broadcastable to them, each batch's key
+    count int64 [B or 1]): a gather of S rows, never a pass over all of x."""
     b, h, n, d = x.shape
     if kv_lens is None:
         lens = torch.full((1,), n, dtype=torch.int64, device=x.device)
         pos, taken = mean_sample_positions(lens, sample)
-        rows = finite_or_zero(x.index_select(-2, pos[0]).float()) * taken[0].to(torch.float32)[:, None]
-    else:
-        lens = kv_lens.to(torch.int64)
-        pos, taken = mean_sample_positions(lens, sample)  # [B, S]
-        rows = finite_or_zero(torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float())
-        rows = rows * taken.to(torch.float32)[:, None, :, None]
+        return x.index_select(-2, pos[0]).float(), taken[0][:, None], lens
+    lens = kv_lens.to(torch.int64)
+    pos, taken = mean_sample_positions(lens, sample)  # [B, S]
+    return torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float(), taken[:, None, :, None], lens
+
+
+def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample: int) -> torch.Tensor:
+    """token_mean over the sampled keys; μ = 0 without keys."""
+    rows, taken, lens = _sampled_rows(x, kv_lens, sample)
+    rows = finite_or_zero(rows) * taken.to(torch.float32)
     count = lens.clamp(1, sample).to(torch.float32)
     return rows.sum(dim=-2, keepdim=True) / count.view(-1, 1, 1, 1)
 
@@ -365,13 +370,7 @@ def channel_extremes(x: torch.Tensor, kv_lens: Optional[torch.Tensor] = None, sa
         none = x.new_full((b, h, 1, d), math.inf, dtype=torch.float32)
         return -none, none
     if sample:
-        lens = kv_lens.to(torch.int64) if kv_lens is not None else torch.full((1,), n, dtype=torch.int64,
-                                                                              device=x.device)
-        pos, taken = mean_sample_positions(lens, sample)
-        if kv_lens is None:
-            rows, keep = x.index_select(-2, pos[0]).float(), taken[0][:, None]
-        else:
-            rows, keep = torch.gather(x, -2, pos[:, None, :, None].expand(b, h, sample, d)).float(), taken[:, None, :, None]
+        rows, keep, _ = _sampled_rows(x, kv_lens, sample)
     else:
         rows = x.float()
         keep = valid_key_mask(kv_lens, n)[:, None, :, None] if kv_lens is not None else torch.isfinite(rows)
@@ -401,7 +400,7 @@ def channel_balance(q_max, q_min, k_max, k_min, k_mean) -> Tuple[torch.Tensor, t
 
 def _rounded_sqrt(ratio: torch.Tensor) -> torch.Tensor:
     """√ of the ratio clamped into [1/BALANCE_LIMIT, BALANCE_LIMIT], correctly rounded to fp32 (taken in float64 and
-    rounded once — exact for a square root —: torch's fp32 sqrt on the CPU is off by an ulp for ~17% of inputs)."""
+    rounded once — exact for a square root —: torch's fp32 sqrt on the CPU is not always correctly rounded)."""
     return ratio.clamp(1 / BALANCE_LIMIT, BALANCE_LIMIT).double().sqrt().float()
 
 
