@@ -7,7 +7,8 @@ inputs; plus the prep alone against its memory floor, and accuracy on the three 
     python -m sage_compile bench e2e --producer qknorm_interleaved --n 4096,16384 --d 128 --causal 0
     python -m sage_compile bench e2e --mask key_padding --causal 0
 
-Columns: inductor; sage (fused prep, per-token K scales: the default numerics); sage_pt (k_granularity="per_thread": the faster kernel);
+Columns: inductor; sage (fused prep, per-token K scales, Q/K equalized: the default numerics); sage_no_eq (the same with
+equalize_qk=False: what equalization costs); sage_pt (k_granularity="per_thread": the faster kernel);
 sage_generic (fuse_rope=False: Inductor's own fusion of the prep, per-token K); default (``SageConfig()`` as shipped:
 the measured thresholds decide, ``chose`` says what it ran — "sage" or "sdpa" — from ``explain``); with the default
 producer also the prep alone (generic and fused), the rotary alone, and the prep's memory floor.
@@ -258,7 +259,7 @@ def _main(argv=None):
     causals = [bool(int(c)) for c in opts.causal.split(",")]
     # the prep columns time the default producer, without GQA
     default_producer = opts.producer == "half" and opts.mask == "none" and opts.gqa == 1 and not opts.default_only
-    sage_columns = () if opts.default_only else ("sage", "sage_generic", "sage_pt")
+    sage_columns = () if opts.default_only else ("sage", "sage_no_eq", "sage_generic", "sage_pt")
 
     import sage_compile
     from sage_compile import SageConfig
@@ -287,6 +288,8 @@ def _main(argv=None):
             sage = sage_compile.compile(block("sage"), config=sage_cfg, dynamic=dynamic)
             sage_generic = sage_compile.compile(block("generic"), config=sage_cfg.replace(fuse_rope=False), dynamic=dynamic)
             sage_pt = sage_compile.compile(block("pt"), config=sage_cfg.replace(k_granularity="per_thread"), dynamic=dynamic)
+            sage_no_eq = sage_compile.compile(block("no_eq"), config=sage_cfg.replace(equalize_qk=False),
+                                              dynamic=dynamic)
             default_cfg = SageConfig(pv=opts.pv)
             sage_default = sage_compile.compile(block("default"), config=default_cfg, dynamic=dynamic)
             compiled[causal], compiled_pt[causal] = sage, sage_pt
@@ -301,7 +304,7 @@ def _main(argv=None):
                         for seed in range(N_SETS)]
                 ops = 4 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, causal=causal, n=n, batch=batch, heads=heads)
-                by_name = dict(sage=sage, sage_generic=sage_generic, sage_pt=sage_pt)
+                by_name = dict(sage=sage, sage_no_eq=sage_no_eq, sage_generic=sage_generic, sage_pt=sage_pt)
                 columns = (("inductor", inductor_by_n[n]), *((c, by_name[c]) for c in sage_columns),
                            ("default", sage_default), *preps)
                 timed = {name: _rotating([lambda s=s, f=fn: f(*s) for s in sets]) for name, fn in columns}
@@ -317,8 +320,8 @@ def _main(argv=None):
                 report = sage_compile.explain(block("default"), *sets[0], config=default_cfg)
                 row["chose"] = "sage" if report.replaced else "sdpa"
                 row["speedup_default"] = row["inductor_ms"] / row["default_ms"]
-                for name, key in (("sage", "speedup"), ("sage_pt", "speedup_per_thread_k"),
-                                  ("sage_generic", "speedup_generic_prep")):
+                for name, key in (("sage", "speedup"), ("sage_no_eq", "speedup_no_equalize"),
+                                  ("sage_pt", "speedup_per_thread_k"), ("sage_generic", "speedup_generic_prep")):
                     if name in sage_columns:
                         row[key] = row["inductor_ms"] / row[f"{name}_ms"]
                 if preps:
@@ -348,16 +351,17 @@ def _main(argv=None):
             print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['default_tops']:>8.0f} "
                   f"{r['speedup_default']:>9.2f} {r['chose']:>5}")
         return 0
-    print("TOPS end to end (sage = fused prep, generic = Inductor's fusion of the prep, pt = fused prep with "
-          "k_granularity='per_thread'), speed-ups over inductor"
+    print("TOPS end to end (sage = fused prep, no eq = the same with equalize_qk=False, generic = Inductor's fusion of "
+          "the prep, pt = fused prep with k_granularity='per_thread'), speed-ups over inductor"
           + ("; prep GPU ms (CUDA graph): generic, fused, rope alone, memory floor, fused/floor" if default_producer else ""))
-    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'generic':>7} {'pt':>6} {'x':>5} {'x gen':>5} "
-          f"{'x pt':>5} {'x default':>9} {'chose':>5}"
+    print(f"{'D':>4} {'causal':>6} {'N':>6} {'inductor':>9} {'sage':>7} {'no eq':>6} {'generic':>7} {'pt':>6} {'x':>5} "
+          f"{'x no eq':>7} {'x gen':>5} {'x pt':>5} {'x default':>9} {'chose':>5}"
           + (f" {'prep':>7} {'fused':>7} {'rope':>7} {'floor':>6} {'/floor':>6}" if default_producer else ""))
     for r in results["rows"]:
         print(f"{r['d']:>4} {int(r['causal']):>6} {r['n']:>6} {r['inductor_tops']:>9.0f} {r['sage_tops']:>7.0f} "
-              f"{r['sage_generic_tops']:>7.0f} {r['sage_pt_tops']:>6.0f} {r['speedup']:>5.2f} "
-              f"{r['speedup_generic_prep']:>5.2f} {r['speedup_per_thread_k']:>5.2f} {r['speedup_default']:>9.2f} "
+              f"{r['sage_no_eq_tops']:>6.0f} {r['sage_generic_tops']:>7.0f} {r['sage_pt_tops']:>6.0f} "
+              f"{r['speedup']:>5.2f} {r['speedup_no_equalize']:>7.2f} {r['speedup_generic_prep']:>5.2f} "
+              f"{r['speedup_per_thread_k']:>5.2f} {r['speedup_default']:>9.2f} "
               f"{r['chose']:>5}"
               + (f" {r['prep_graph_ms']:>7.3f} {r['prep_fused_graph_ms']:>7.3f} {r['rope_graph_ms']:>7.3f} "
                  f"{r['prep_floor_ms']:>6.3f} {r['prep_fused_graph_over_floor']:>6.2f}" if "prep_graph_ms" in r else ""))

@@ -6,9 +6,9 @@ cuDNN's SDPA and, where it is installed, the public SageAttention library's ``sa
 Columns (TOPS = 4·B·H·N²·D / time of the call, halved for causal; B·N = 16K tokens, H=16 at D=128, H=32 at D=64;
 q, k, v bf16 [B, H, N, D]):
 * ``cudnn`` — F.scaled_dot_product_attention with the cuDNN backend;
-* ``sage`` — ``sage_attention(..., config=SageConfig(min_seq_len=0, k_granularity="per_token"))``: forced to sage,
+* ``sage`` — ``sage_attention(..., config=SageConfig(min_seq_len=0))``: the default numerics forced to sage,
   per-token K;
-* ``sage_pt`` — ``SageConfig(min_seq_len=0)``: k_granularity="per_thread" (the faster kernel), forced to sage;
+* ``sage_pt`` — ``SageConfig(min_seq_len=0, k_granularity="per_thread")`` (the faster kernel), forced to sage;
 * ``default`` — ``sage_attention(...)`` with the default config: sage or SDPA as the measured thresholds choose
   (the ``chose`` column says which);
 * ``compiled`` — ``torch.compile`` of a function that only calls ``sage_attention`` (the default numerics,
@@ -49,13 +49,14 @@ def _columns(sets, causal: bool) -> dict:
 
     from sage_compile import SageConfig, sage_attention
 
-    forced, per_thread = SageConfig(min_seq_len=0, k_granularity="per_token"), SageConfig(min_seq_len=0)
+    forced = SageConfig(min_seq_len=0)
+    per_thread = forced.replace(k_granularity="per_thread")
 
     def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    compiled = torch.compile(lambda q, k, v: sage_attention(q, k, v, is_causal=causal, config=per_thread),
+    compiled = torch.compile(lambda q, k, v: sage_attention(q, k, v, is_causal=causal, config=forced),
                              dynamic=False)
     calls = {
         "cudnn": cudnn,

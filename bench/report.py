@@ -87,14 +87,17 @@ def _e2e_table(data) -> list:
         return lines + [""]
     prep = "prep_fused_graph_ms" in data["rows"][0]
     default = "speedup_default" in data["rows"][0]  # files recorded before the default column have none
-    lines = ["| D | causal | N | inductor TOPS | sage TOPS (per-token K) | speed-up, per-token K (default) | speed-up, "
-             "per_thread K | speed-up, generic prep |"
+    no_eq = "speedup_no_equalize" in data["rows"][0]  # nor the equalize_qk=False column
+    lines = ["| D | causal | N | inductor TOPS | sage TOPS (per-token K) | speed-up, per-token K (default) | "
+             + ("speed-up, equalize_qk=False | " if no_eq else "") + "speed-up, per_thread K | speed-up, generic prep |"
              + (" shipped config: speed-up (chose) |" if default else "")
              + (" prep GPU ms (fused) | memory floor ms |" if prep else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if default else "") + ("---|---|" if prep else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if no_eq else "") + ("---|" if default else "")
+             + ("---|---|" if prep else "")]
     for r in data["rows"]:
         lines.append(f"| {r['d']} | {int(r['causal'])} | {r['n']} | {r['inductor_tops']:.0f} | {r['sage_tops']:.0f} | "
-                     f"**{r['speedup']:.2f}** | {r['speedup_per_thread_k']:.2f} | {r['speedup_generic_prep']:.2f} |"
+                     f"**{r['speedup']:.2f}** | " + (f"{r['speedup_no_equalize']:.2f} | " if no_eq else "")
+                     + f"{r['speedup_per_thread_k']:.2f} | {r['speedup_generic_prep']:.2f} |"
                      + (f" {r['speedup_default']:.2f} ({r['chose']}) |" if default else "")
                      + (f" {r['prep_fused_graph_ms']:.3f} | {r['prep_floor_ms']:.3f} |" if prep else ""))
     if data.get("accuracy"):
