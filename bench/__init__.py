@@ -21,5 +21,5 @@ BENCHMARKS = {
     "accuracy": ("accuracy", "real models shipped on PyPI (Qwen2.5, Gemma 3, SmolLM2, MiniLM): perplexity or embedding "
                              "cosine of the default numerics vs bf16 SDPA, with each site's cosine; CPU or GPU"),
     "spec": ("accuracy_spec", "accuracy of the numerics spec vs fp32 SDPA on three input distributions; CPU"),
-    "report": ("report", "render docs/results/README.md (and its plots) from the recorded results"),
+    "report": ("report", "render docs/results/README.md from the recorded results"),
 }

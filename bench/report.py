@@ -1,4 +1,4 @@
-"""Render the results page, docs/results/README.md, and its plots from the recorded results: one JSON file per
+"""Render the results page, docs/results/README.md, from the recorded results: one JSON file per
 benchmark and device (``<bench>_<device>.json``, written by ``python -m sage_compile bench <bench> --record``).
 
     python -m sage_compile bench report [--results-dir DIR]
@@ -339,14 +339,14 @@ def context_parallel_section(runs) -> list:
     return lines
 
 
-def train_section(curve_runs, step_runs, directory) -> list:
+def train_section(curve_runs, step_runs) -> list:
     lines = ["## Training runs", "",
              "`python -m sage_compile bench train`: a GPT-2-small-shaped byte-level decoder trained from scratch on the "
              "Python standard library's source, then fine-tuned from the `inductor` run's weights on English prose (the "
              "Python language reference's text); same weights and batches per run. Runs: `inductor` (bf16 SDPA), "
              "`sage` (backend=\"sage\", backward=\"sage\"), `sage_fwd` (backward=\"sdpa\"). `--part step`: a "
              "Llama-3-8B-shaped 2-layer training step (forward + backward), the default thresholds.", ""]
-    for slug, data in curve_runs:
+    for _, data in curve_runs:
         lines += [f"### {measured(data)}", ""]
         for phase, title in (("scratch", "From scratch"), ("finetune", "Fine-tuning")):
             curves = data.get(phase)
@@ -359,11 +359,8 @@ def train_section(curve_runs, step_runs, directory) -> list:
                 lines.append(f"| {r['run']} | {r['final_train_loss']:.4f} | {100 * r['final_train_gap']:+.2f}% | "
                              f"{r['final_held_out']:.4f} | {100 * r['final_held_out_gap']:+.2f}% | "
                              f"{r['step_ms_median']:.1f} |")
-            name = f"train_loss_{phase}_{slug}.png"
-            if _plot_losses(curves, os.path.join(directory, name)) or os.path.exists(os.path.join(directory, name)):
-                lines += ["", f"![{title} loss curves]({name})"]
             lines.append("")
-    for slug, data in step_runs:
+    for _, data in step_runs:
         names = [key[:-len("_ms")] for key in data["step_speed"][0] if key.endswith("_ms")]
         lines += [f"### Training step, {measured(data)}", "",
                   "| tokens | " + " | ".join(f"{n} ms" for n in names) + " | " +
@@ -373,29 +370,6 @@ def train_section(curve_runs, step_runs, directory) -> list:
                          " | ".join(f"{r['speedup_' + n]:.2f}×" for n in names[1:]) + " |")
         lines.append("")
     return lines
-
-
-def _plot_losses(curves, path) -> bool:
-    """Training loss (a 20-step running mean) and held-out loss per run, side by side."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for r in curves["runs"]:
-        losses = r["losses"]
-        smooth = [sum(losses[max(0, i - 19):i + 1]) / len(losses[max(0, i - 19):i + 1]) for i in range(len(losses))]
-        axes[0].plot(range(1, len(losses) + 1), smooth, label=r["run"])
-        axes[1].plot([s for s, _ in r["held_out"]], [v for _, v in r["held_out"]], "-o", label=r["run"])
-    for ax, title in zip(axes, ("training loss (20-step mean)", "held-out loss")):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
 
 
 def summary(kernel, e2e, models) -> list:
@@ -419,69 +393,6 @@ def summary(kernel, e2e, models) -> list:
     return lines + [""]
 
 
-def _plot_kernel(runs, path) -> bool:
-    """sage sm90 (the default numerics: per-token K) and cuDNN TOPS against N at D=128, per device, non-causal and
-    causal."""
-    plt = _pyplot()
-    if plt is None or not runs:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, causal in zip(axes, (0, 1)):
-        for slug, data in runs:
-            rows = [r for r in data["rows"] if r["d"] == 128 and int(r["causal"]) == causal]
-            name = slug.upper()
-            ax.plot([r["n"] for r in rows], [sm90_default_tops(r) for r in rows], "-o",
-                    label=f"sage sm90 (default numerics), {name}")
-            ax.plot([r["n"] for r in rows], [r.get("cudnn_tops") for r in rows], "--s", label=f"SDPA cuDNN, {name}")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"kernel only, D=128, {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("sequence length N")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("TOPS")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
-
-
-def _plot_models(runs, path) -> bool:
-    """Each model's speed-up over backend="inductor" (per-token and per_thread K) on each device; models whose sites
-    all stayed on SDPA are left out (the same code as inductor)."""
-    plt = _pyplot()
-    if plt is None or not runs:
-        return False
-    bars, labels = [], []
-    for slug, data in runs:
-        for r in (r for r in data["rows"] if r["sites_replaced"]):
-            labels.append(f"{r['model']}\n{slug.upper()}")
-            bars.append((r["speedup"], r.get("speedup_per_thread_k", float("nan"))))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[0] for b in bars], 0.4, label="sage (per-token K, the default)")
-    ax.bar([x + 0.2 for x in xs], [b[1] for b in bars], 0.4, label="sage, k_granularity='per_thread'")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("speed-up over inductor")
-    ax.legend(loc="lower right")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def render(directory) -> str:
     kernel, e2e, models = (_load(directory, b) for b in ("kernel_bench", "e2e_bench", "models"))
     lines = ["# Results", "",
@@ -489,20 +400,15 @@ def render(directory) -> str:
              "per benchmark and device (`<bench>_<device>.json`), replaced by `python -m sage_compile bench <bench> "
              "--record`. Every table names the device and versions it was measured with.", ""]
     lines += summary(kernel, e2e, models)
-    if _plot_kernel(kernel, os.path.join(directory, "tops.png")) or os.path.exists(os.path.join(directory, "tops.png")):
-        lines += ["![kernel TOPS vs N](tops.png)", ""]
     lines += kernel_section(kernel)
     lines += int4_section(_load(directory, "int4_bench"))
     lines += e2e_section(e2e, _variants(directory, "e2e_bench"))
     lines += eager_section(_load(directory, "eager_bench"))
-    if _plot_models(models, os.path.join(directory, "models.png")) or os.path.exists(os.path.join(directory, "models.png")):
-        lines += models_section(models)[:4] + ["![speed-up per model](models.png)", ""] + models_section(models)[4:]
-    else:
-        lines += models_section(models)
+    lines += models_section(models)
     lines += accuracy_section(_load(directory, "accuracy"), _load(directory, "minilm"))
     lines += models_accuracy_section(_load(directory, "models_accuracy"))
     lines += backward_section(_load(directory, "backward"))
-    lines += train_section(_load(directory, "train"), _load(directory, "train_step"), directory)
+    lines += train_section(_load(directory, "train"), _load(directory, "train_step"))
     lines += varlen_section(_load(directory, "varlen_bench"))
     lines += context_parallel_section(_load(directory, "context_parallel"))
     return "\n".join(lines).rstrip() + "\n"
