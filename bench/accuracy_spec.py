@@ -118,7 +118,7 @@ def k_mean_sample_sweep(opts):
                 rows.append(dict(dist=name, k_granularity=granularity, k_mean_sample=sample, **accuracy_metrics(out, ref)))
                 r = rows[-1]
                 print(f"{name:18s} {granularity:10s} S={sample:5d} cos {r['cos']:.6f} relL1 {r['rel_l1']:.5f}", flush=True)
-    paths = recording.save("accuracy_k_mean_sample", _result(rows), opts)
+    paths = recording.save("accuracy", _result(rows), opts, "k_mean_sample")
     print("→", ", ".join(paths) or "(not saved: --record)")
     return 0
 

@@ -25,7 +25,8 @@ Every sage column but ``default`` uses min_seq_len=0: the measured thresholds wo
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets; ``--rounds R`` times each row's columns R
 times, interleaved, and keeps each column's median (the GPU clock drifts over a run: a single pass per column put
 ±3-5% on a ratio). TOPS = 4·B·H·N²·D / time (halved for causal), B·N = 16K tokens, H=16 at D=128, H=32 at D=64.
-Prints a table last; ``--record`` writes docs/results/e2e_bench[_variant]_<device>.json.
+Prints a table last; ``--record`` writes its device's entry of docs/results/e2e_bench.json: "default", or for a run
+with other options the variant they name (``variant``: e.g. "static_gqa4_default_only").
 """
 from __future__ import annotations
 
@@ -214,12 +215,12 @@ def _kernel_name(dispatch, spec, d, pv):
     return dispatch.kernel_for_site(site)[0]
 
 
-def record_name(opts) -> str:
-    """e2e_bench, or e2e_bench_<variant> for a run that is not the default one (so it keeps a file of its own)."""
-    parts = ["e2e_bench"] + (["static"] if opts.static else []) + ([f"pv_{opts.pv}"] if opts.pv != "fp8" else []) \
+def variant(opts) -> str:
+    """The results entry of a run: "default", or what its options change, e.g. "static_gqa4_default_only"."""
+    parts = (["static"] if opts.static else []) + ([f"pv_{opts.pv}"] if opts.pv != "fp8" else []) \
         + ([opts.producer] if opts.producer != "half" else []) + ([f"mask_{opts.mask}"] if opts.mask != "none" else []) \
         + ([f"gqa{opts.gqa}"] if opts.gqa > 1 else []) + (["default_only"] if opts.default_only else [])
-    return "_".join(parts)
+    return "_".join(parts) or recording.DEFAULT
 
 
 def main(argv=None):
@@ -340,7 +341,7 @@ def _main(argv=None):
         if not opts.no_accuracy and not opts.default_only and opts.mask == "none" and {False, True} <= set(causals):
             results["accuracy"] += _accuracy(compiled, d, opts) + _accuracy(compiled_pt, d, opts, "per_thread")
 
-    paths = recording.save(record_name(opts), results, opts)
+    paths = recording.save("e2e_bench", results, opts, variant(opts))
     print(f"\n{results['device']}, torch {results['torch']}, triton {results['triton']}, producer {opts.producer}, "
           f"mask {opts.mask}, pv {opts.pv}; sage kernel {results['sage_kernel']}; copy {results['copy_bandwidth_gbs']:.0f} "
           f"GB/s → {', '.join(paths) or '(not saved: --record)'}")

@@ -17,7 +17,7 @@ backward="none", SDPA for the sites that need a backward), the default threshold
 
     python -m sage_compile bench train [--part curves|step] [--steps 500] [--tokens 8192,16384,32768] [--record]
 
-``--record`` writes docs/results/train_<device>.json (the curves) or train_step_<device>.json (the step speed).
+``--record`` writes its device's "curves" or "step" entry (the part it ran) of docs/results/train.json.
 """
 from __future__ import annotations
 
@@ -225,10 +225,10 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     if opts.part == "curves":
         result = dict(**recording.environment(), **loss_curves(opts))
-        paths = recording.save("train", result, opts)
+        paths = recording.save("train", result, opts, "curves")
     else:
         result = dict(**recording.environment(), step_speed=step_speed(opts))
-        paths = recording.save("train_step", result, opts)
+        paths = recording.save("train", result, opts, "step")
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']} → "
           f"{', '.join(paths) or '(not saved: --record)'}")
     for phase in ("scratch", "finetune"):
