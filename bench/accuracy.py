@@ -11,7 +11,7 @@ numerics spec bit for bit) or GPU.
 LLMs: perplexity over ``--windows`` windows of ``--tokens`` tokens of ``--text`` (default
 /usr/share/common-licenses/GPL-3; ``--text-about`` describes another in the record), against the same model with
 bf16 SDPA. Encoders: the mean-pooled sentence embeddings of padded batches of sentences, the worst cosine against
-bf16 SDPA's. ``--record`` writes docs/results/models_accuracy_<device>.json.
+bf16 SDPA's. ``--record`` writes its device's entry of docs/results/models_accuracy.json.
 
 The models (weights as their packages ship them, dequantized from GGUF where they are GGUF files):
     qwen2.5-coder-0.5b  Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (GQA 14/2, head dim 64, 24 layers; Q/K/V biases)

@@ -8,10 +8,11 @@ designs not in the spec, emulated in float64 (rows "study: ..."): INT8 PV at the
 — P̂ = u8(255·exp2(S − m_block)) per row and 64-key block, V̂ = s8 per channel, exact integer products —; and, for the
 outlier mix's error, V's quantization alone with exact P.
 
-    python -m sage_compile bench spec [--record]   → a table; docs/results/accuracy_cpu.json with --record
+    python -m sage_compile bench spec [--record]   → a table; docs/results/accuracy.json (cpu) with --record
     python -m sage_compile bench spec --k-mean-sample   → μK from S = 0 (all keys), 64, 256, 512, 1024 keys,
         per-token and per_thread K, on the three distributions and on the channel-bias mix with RoPE applied to q and
-        k (a position-dependent K bias): the study behind the default k_mean_sample
+        k (a position-dependent K bias): the study behind the default k_mean_sample; with --record the
+        cpu/k_mean_sample entry of docs/results/accuracy.json
 """
 import argparse
 import math

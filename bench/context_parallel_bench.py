@@ -26,8 +26,8 @@ communication, and the scaling over P GPUs is not measured.
                                                   [--runs 5] [--record]
 
 Started without torchrun, it starts itself under ``python -m torch.distributed.run --nproc-per-node P`` (P: --ranks,
-default every visible GPU). Prints a table last; ``--record`` writes docs/results/context_parallel_<device>.json
-($OUT/context_parallel.json too when OUT is set).
+default every visible GPU). Prints a table last; ``--record`` writes its device's entry of
+docs/results/context_parallel.json ($OUT/context_parallel.json too when OUT is set).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ q, k, v bf16 [B, H, N, D]):
 * ``public`` — ``sageattention.sageattn(q, k, v, tensor_layout="HND")`` when the package imports.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets, columns interleaved over ``--rounds``
-passes (kernel_bench.interleaved_ms). Prints a table last; ``--record`` writes docs/results/eager_bench_<device>.json.
+passes (kernel_bench.interleaved_ms). Prints a table last; ``--record`` writes its device's entry of
+docs/results/eager_bench.json.
 """
 from __future__ import annotations
 

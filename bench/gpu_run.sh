@@ -11,7 +11,7 @@
 #                                            key_padding (--mask) or gqa4 (--gqa 4)
 #   bash bench/gpu_run.sh static_sweep <variant>...  the same at N 1K-8K (where the thresholds choose), both compiled
 #                                            per shape (--static, 3 rounds)
-# Add --record to a benchmark's options to replace its docs/results/<bench>_<device>.json.
+# Add --record to a benchmark's options to replace its device's (and variant's) entry of docs/results/<bench>.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -7,8 +7,8 @@ at D=128 and H=32 at D=64, 3 rotating input sets; Scheme(qk="int4", smooth_q=Tru
 
     python -m sage_compile bench int4 [--n 4096,16384] [--d 128,64] [--causal 0,1] [--pv fp8,fp16] [--record]
 
-``--pv``: the PV types timed (each a row; fp16 is the sm80/86 path). Prints a table last. ``--record`` writes
-docs/results/int4_bench_<device>.json; $OUT/int4_bench.json when OUT is set.
+``--pv``: the PV types timed (each a row; fp16 is the sm80/86 path). Prints a table last. ``--record`` writes its
+device's entry of docs/results/int4_bench.json; $OUT/int4_bench.json when OUT is set.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ kernel at a few N (to build the table in ``sage_compile/kernels/triton.py``).
 
     python -m sage_compile bench kernel [--n 1024,4096] [--d 128,64] [--sweep] [--quick] [--record]
 
-Prints a table last. ``--record`` writes everything (device, versions, date, every number) to
-docs/results/kernel_bench_<device>.json; $OUT/kernel_bench.json too when OUT is set.
+Prints a table last. ``--record`` writes everything (device, versions, date, every number) as its
+device's entry of docs/results/kernel_bench.json; $OUT/kernel_bench.json too when OUT is set.
 """
 from __future__ import annotations
 

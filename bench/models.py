@@ -11,7 +11,7 @@ what matters. sage runs with its default, measured thresholds; column "sage" wit
 column "pt" with k_granularity="per_thread" (the faster kernel), column "plan" with the plan ``sage_compile.calibrate`` makes on the
 model's input (default target; ``calibrate_s``: how long that took). ``--rounds R`` times the columns R times,
 interleaved, and keeps each one's median (the board's clock drifts over a run; e2e_bench does the same). Prints a
-table last; ``--record`` writes docs/results/models_<device>.json.
+table last; ``--record`` writes its device's entry of docs/results/models.json.
 """
 from __future__ import annotations
 

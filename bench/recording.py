@@ -6,7 +6,8 @@ and variant::
 keyed by device slug (h100, h200, then the others alphabetically), then by variant ("default" first, then the others
 alphabetically: a run with options that make a result of its own, e.g. ``bench e2e --static --gqa 4 --default-only``).
 Each result holds the device, the versions (torch, triton, CUDA) and the date of its measurement. A result is cited as
-``<bench>.json <device>/<variant>``, e.g. ``e2e_bench.json h100/default_only``.
+``<bench>.json <device>/<variant>``, e.g. ``e2e_bench.json h100/default_only``, or ``<bench>.json <device>`` for the
+default variant.
 
 ``--record`` replaces its own (device, variant) entry of that file and leaves the others. Without it a benchmark prints
 its table and writes ``$OUT/<bench>.json`` (``$OUT/<bench>_<variant>.json`` for a variant) only when ``OUT`` is set;

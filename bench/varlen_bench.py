@@ -18,7 +18,7 @@ useful work only, Σ 4·H·len²·D, halved for causal, over the time of the who
 
 Timing: median of ``triton.testing.do_bench`` per pass, columns interleaved over ``--rounds`` passes. Accuracy: cosine
 of sage_varlen's output against fp32 SDPA on the three longest sequences. Prints a table last; ``--record`` writes
-docs/results/varlen_bench_<device>.json.
+its device's entry of docs/results/varlen_bench.json.
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                    help="batch i of the inputs is step i: a rung per site and step too (run under plan_step(i))")
     b = sub.add_parser("bench", help="benchmarks (" + ", ".join(BENCHMARKS) + ") and the results page",
                        description="Benchmarks; `bench <name> --help` lists each one's options, `--record` writes "
-                                   "docs/results/<bench>_<device>.json.",
+                                   "the device's entry of docs/results/<bench>.json.",
                        epilog="benchmarks:\n" + "\n".join(f"  {name:9s} {text}" for name, (_, text) in BENCHMARKS.items()),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("which", choices=list(BENCHMARKS), metavar="{" + ",".join(BENCHMARKS) + "}", help="the benchmark")

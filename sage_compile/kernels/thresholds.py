@@ -14,13 +14,12 @@ NEVER = math.inf
 
 # (compute capability major, padded head dim, causal) → the smallest key length at which sage won on every sm90
 # GPU measured (H100 and H200), ``bench e2e`` with a rotary producer, interleaved rounds, dynamic=True, torch
-# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K — the default numerics (e2e_bench_h100.json,
-# e2e_bench_h200.json):
+# 2.11.0+cu130, triton 3.6.0. Sage / inductor, per-token K — the default numerics (e2e_bench.json h100, h200):
 #   D=128 non-causal 4K/16K: H100 1.08, 1.21; H200 1.09, 1.18 → from 4K. Causal 4K: H100 1.00 (level) → from 8K;
 #     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
 #     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
 #   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99); H200 0.95, 1.00: never clearly ahead.
-# Those files predate equalize_qk (now the default: two prep launches more); not re-measured with it yet.
+# Those results predate equalize_qk (now the default: two prep launches more); not re-measured with it yet.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
@@ -30,9 +29,9 @@ MEASURED = {
 MEASURED_ON = "H100 and H200 (sm90), bench e2e"
 
 # k_granularity='per_thread' (the sm90 kernel's one-δK-per-thread-group instantiation), same harness — the rotary
-# sweep's per_thread column (e2e_bench_h100.json, e2e_bench_h200.json) and the shipped config's sweeps against
-# inductor on the H100 (``bench e2e --default-only``: e2e_bench_default_only_h100.json, 3 rounds; 4 query heads per
-# k/v head: e2e_bench_gqa4_default_only_h100.json; both compiled per shape: e2e_bench_static_default_only_h100.json):
+# sweep's per_thread column (e2e_bench.json h100 and h200) and the shipped config's sweeps against inductor on the
+# H100 (``bench e2e --default-only``: e2e_bench.json h100/default_only, 3 rounds; 4 query heads per k/v head:
+# h100/gqa4_default_only; both compiled per shape: h100/static_default_only):
 #   D=128 non-causal 4K: H100 1.17, H200 1.18; the shipped config 1.09 (per shape 1.16, GQA 1.21); 8K 1.26 → from 4K.
 #     Causal 4K: H100 1.05 in one round, inside a 4K point's run-to-run spread → from 8K, where the shipped config runs
 #     1.22 (GQA 1.26).
@@ -47,10 +46,10 @@ MEASURED_PER_THREAD_K = {
 
 # Sites whose fused prep also runs a QK-norm (an RMS norm of q and k before the rotary: Qwen3, Flux, SD3): the norm's
 # row reduction makes the prep costlier, so sage wins later. H100, the shipped config's sweep (``bench e2e
-# --default-only --producer qknorm_half``, rounds 3, e2e_bench_qknorm_half_default_only_h100.json), per_thread K,
+# --default-only --producer qknorm_half``, rounds 3, e2e_bench.json h100/qknorm_half_default_only), per_thread K,
 # sage / inductor where sage ran: D=128 4K 0.98, 8K 1.01, 16K 1.26 (causal 16K 1.24); D=64 8K 1.00, 16K 1.20 (causal
 # 16K 1.14) → D=128 from 4K (level there; a whole DiT layer with QK-norm at 4608 tokens ran 1.07×, bench models,
-# models_h100.json), D=64 from 8K, causal from 16K. Per-token K with a QK-norm is not measured: the later of its
+# models.json h100), D=64 from 8K, causal from 16K. Per-token K with a QK-norm is not measured: the later of its
 # rotary entry and this one.
 MEASURED_QK_NORM_PER_THREAD_K = {
     (9, 128, False): 4096,
@@ -65,7 +64,7 @@ MEASURED_QK_NORM_ON = "H100 (sm90), bench e2e --producer qknorm_half: sites whos
 # Sites with no producer fused into their prep — an eager ``sage_attention`` call (the prep as the fused Triton kernels
 # with no rotary, prep.plain_prepare) or a compiled ``sage.attention`` site (the prep as Inductor's generic fusion): the
 # prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K,
-# bf16; eager_bench_h100.json), sage / cuDNN SDPA at 4K, 8K, 16K, 32K keys: per-token K D=128 0.99, 1.07, 1.15, 1.15
+# bf16; eager_bench.json h100), sage / cuDNN SDPA at 4K, 8K, 16K, 32K keys: per-token K D=128 0.99, 1.07, 1.15, 1.15
 # (causal 0.82, 1.01, 0.85, 1.23: the 16K entry an outlier of the run, beside per_thread K's 1.23 there), D=64 0.85,
 # 0.97, 0.98, 0.96 (causal 0.74, 0.86, 0.92, 1.01) → D=128 from 16K, D=64 never; per_thread K D=128 1.05, 1.16,
 # 1.25, 1.21 (causal 0.83, 1.06, 1.23, 1.34), D=64 1.06, 1.17, 1.20, 1.24 (causal 0.79, 1.05, 1.15, 1.14) → D=64
@@ -87,7 +86,7 @@ MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass o
 
 # Compiled sites with no producer to fuse: their prep is Inductor's fusion of the aten prep, slower than the eager
 # fused kernels above, so the eager table does not carry over. H100, ``bench e2e --producer none`` (q, k, v are the
-# compiled function's inputs; e2e_bench_none_h100.json), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87,
+# compiled function's inputs; e2e_bench.json h100/none), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87,
 # 1.23 (causal 0.71, 1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81, 1.12 (causal 0.67, 1.12);
 # D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never at D=64
 # (8K not measured).
@@ -99,11 +98,11 @@ MEASURED_COMPILED_STANDALONE_ON = "H100 (sm90), bench e2e --producer none: compi
 # Sites with an attn_mask (SDPA then runs its masked kernels; sage reads the mask in its kernel), ``bench e2e
 # --mask``, rope → SDPA(attn_mask), sage / inductor:
 #   a mask with one row for every query (key padding [B,1,1,Nk] bool), the shipped config's sweep on the H100
-#     (e2e_bench_mask_key_padding_default_only_h100.json, 2 rounds): D=128 4K 1.26, 16K 1.37, 64K 1.51; D=64 4K
+#     (e2e_bench.json h100/mask_key_padding_default_only, 2 rounds): D=128 4K 1.26, 16K 1.37, 64K 1.51; D=64 4K
 #     1.20, 16K 1.26 → from 4K at both head dims (causal does not arise: SDPA takes a mask or is_causal, not both);
-#     swept with per_thread K; per-token K's kernel is 6–19% slower (kernel_bench_h100.json), less
+#     swept with per_thread K; per-token K's kernel is 6–19% slower (kernel_bench.json h100), less
 #     than these margins over SDPA's masked kernels — the same entries serve both, not re-swept with per-token K;
-#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 (e2e_bench_mask_additive_h200.json, 2 rounds),
+#   an fp32 mask with a row per query ([B,1,Nq,Nk] additive), H200 (e2e_bench.json h200/mask_additive, 2 rounds),
 #     per-token / per_thread K at 4K and 16K: D=128 1.00 / 1.02, 0.97 / 1.00; D=64 0.88 / 0.89, 0.85 / 0.77 → never
 #     (the mask's HBM read and its ·log2 e copy cost what the 8-bit products save);
 #   a bool mask with a row per query: not measured end to end — the unmasked table (kernel alone, H100: sm90
@@ -115,9 +114,9 @@ MEASURED_KEY_MASK = {
 MEASURED_MASKED_ON = "measured on the H100 and H200 (sm90), bench e2e --mask"
 
 # pv='fp16' (fp16 P̂ and V̂: the most accurate setting), H100, the sm90 kernel's fp16-PV instantiations. Kernel alone
-# (kernel_bench_h100.json), TOPS sm90 pv16 / cuDNN at 4K and 16K: D=128 591/599, 622/606 (causal 517/534, 599/563);
+# (kernel_bench.json h100), TOPS sm90 pv16 / cuDNN at 4K and 16K: D=128 591/599, 622/606 (causal 517/534, 599/563);
 # D=64 458/451, 476/430 (causal 409/413, 439/436): level at 4K and 1–11% ahead at 16K before the prep's cost: the
-# fused prep (0.148 ms in a CUDA graph, e2e_bench_h100.json) is 5–10% of a 16K-key call. No current results file holds
+# fused prep (0.148 ms in a CUDA graph, e2e_bench.json h100) is 5–10% of a 16K-key call. No current results file holds
 # an end-to-end pv16 sweep: such sites stay SDPA unless SageConfig.min_seq_len says otherwise, until `bench e2e --pv
 # fp16 --record` shows where they win.
 MEASURED_PV16 = {

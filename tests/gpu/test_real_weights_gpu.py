@@ -3,7 +3,10 @@ kernels, per-sentence embedding cosine against fp32 (min ≥ 0.9997, mean ≥ 0.
 
 The model comes from `python tests/gpu/export_minilm.py` (fp16 weights + tokenizer + the fp32 embeddings of
 the original fp32 weights, computed on the CPU machine) in .models/minilm or $SAGE_MINILM_DIR; carry it to
-the device. Skipped where it is absent. Writes $OUT/minilm_gpu.json when OUT is set.
+the device. Skipped where it is absent. Writes $OUT/minilm.json when OUT is set; its device's entry of
+docs/results/minilm.json (the results page's "Real weights" table) is that file, recorded on the CPU machine with
+
+    python -m sage_compile.bench.recording minilm <the run's $OUT>/minilm.json
 """
 import json
 import os
@@ -72,7 +75,7 @@ def _transformers_version():
 
 def _record(key, value):
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "minilm_gpu.json")
+        path = os.path.join(os.environ["OUT"], "minilm.json")
         data = json.load(open(path)) if os.path.exists(path) else dict(
             device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=_transformers_version(),
             sentences=len(SENTENCES),
