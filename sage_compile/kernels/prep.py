@@ -299,22 +299,22 @@ def _rope_balance_cuda(xq: torch.Tensor, q_tables: List[torch.Tensor], xk: torch
                        q_norm_weight: Optional[torch.Tensor] = None, q_norm_eps: Optional[float] = None,
                        k_norm_weight: Optional[torch.Tensor] = None, k_norm_eps: Optional[float] = None
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CUDA: ``rope_balance_reference`` — K's sums and extremes in one pass over its sample, Q's extremes, then μK
-    (_rope_mean_cuda's reduction) and β, 1/β in one launch (Triton)."""
+    """CUDA: ``rope_balance_reference`` in three launches (Triton): K's sums (with smooth_k) and extremes in one pass
+    over its sample, Q's extremes over its sample, then μK (the sums' fixed-order reduction; zeros without smooth_k),
+    β and 1/β in one."""
     from . import prep_triton  # triton: absent from CPU builds of torch
 
     batch, hkv, n, d = xk.shape
     k_sums, k_ext = prep_triton.rope_partial_sums(xk, _table_args(k_tables, (batch, hkv, n, d // 2)),
                                                   _same_halves(k_tables), sample=sample, interleaved=interleaved,
-                                                  norm_weight=k_norm_weight, norm_eps=k_norm_eps, extremes=True)
-    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
-    k_mean = (prep_triton.reduce_splits(k_sums, count).view(batch, hkv, 1, d) if smooth_k
-              else xk.new_zeros((batch, hkv, 1, d), dtype=torch.float32))
+                                                  norm_weight=k_norm_weight, norm_eps=k_norm_eps, extremes=True,
+                                                  sums=smooth_k)
     _, q_ext = prep_triton.rope_partial_sums(xq, _table_args(q_tables, (*xq.shape[:3], d // 2)), _same_halves(q_tables),
                                              sample=sample, interleaved=interleaved, norm_weight=q_norm_weight,
-                                             norm_eps=q_norm_eps, extremes=True)
-    q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_mean if smooth_k else None)
-    return k_mean, q_mult.view(batch, hkv, 1, d), k_mult.view(batch, hkv, 1, d)
+                                             norm_eps=q_norm_eps, extremes=True, sums=False)
+    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+    k_mean, q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_sums, count)
+    return tuple(t.view(batch, hkv, 1, d) for t in (k_mean, q_mult, k_mult))
 
 
 def _rope_quantize_cuda(x: torch.Tensor, tables: List[torch.Tensor], mean: Optional[torch.Tensor],

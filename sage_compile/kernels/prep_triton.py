@@ -23,6 +23,9 @@ from ..numerics.spec import BALANCE_LIMIT, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
 # tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
+# μK's sum inside the balance launch: 8 splits of K's sample at a time, all D channels on one warp (512 sampled keys
+# are 8 splits: one step).
+BALANCE_CHUNK = 8
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 
@@ -247,13 +250,15 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      out_ptr, ext_ptr, H, N, TILES_PER_SPLIT, COUNT,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
                      EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                     HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr, EXTREMES: tl.constexpr = False):
+                     HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr, EXTREMES: tl.constexpr = False,
+                     SUMS: tl.constexpr = True):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
     same integer arithmetic: sample i ≥ 1 is key u·(N >> 15) + (u·(N mod 2^15) >> 15), u = i·20251 mod 2^15, where
     N > COUNT, else key i − 1). EXTREMES: also ext[bh, split] = (max, min) per channel of the same tokens' finite
-    values (spec.channel_extremes; −inf / +inf where there are none)."""
+    values (spec.channel_extremes; −inf / +inf where there are none). SUMS=False (with EXTREMES): the extremes alone,
+    nothing written to out."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -277,8 +282,9 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                                       c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES, ROTARY)
         r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
                             EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
-        acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
-        acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
+        if SUMS:
+            acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
+            acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
         if EXTREMES:
             keep1 = mask & (tl.abs(r1) < float("inf"))
             keep2 = mask & (tl.abs(r2) < float("inf"))
@@ -286,9 +292,10 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
             hi2 = tl.maximum(hi2, tl.where(keep2, r2, float("-inf")))
             lo1 = tl.minimum(lo1, tl.where(keep1, r1, float("inf")))
             lo2 = tl.minimum(lo2, tl.where(keep2, r2, float("inf")))
-    base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
-    tl.store(base + cols, tl.sum(acc1, axis=0))
-    tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
+    if SUMS:
+        base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
+        tl.store(base + cols, tl.sum(acc1, axis=0))
+        tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
     if EXTREMES:  # [rows, splits, 2, D]: the maxima, then the minima
         ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * HALF)
         tl.store(ext + cols, tl.max(hi1, axis=0))
@@ -415,12 +422,23 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
 
 
 @triton.jit
-def _balance_kernel(q_ext_ptr, k_ext_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROUP, Q_SPLITS, K_SPLITS,
-                    D: tl.constexpr, HAS_MEAN: tl.constexpr, LIMIT: tl.constexpr):
-    """spec.channel_balance for KV head row = b·Hkv + h: the extremes' partials [rows, splits, 2, D] of its GROUP
-    query heads (rows row·GROUP + g) and of its keys reduced, then the ranges, IEEE quotients and square roots."""
+def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROUP, Q_SPLITS, K_SPLITS,
+                    COUNT, D: tl.constexpr, SMOOTH: tl.constexpr, CHUNK: tl.constexpr, LIMIT: tl.constexpr):
+    """μK and spec.channel_balance for KV head row = b·Hkv + h. SMOOTH: μK = (Σ of its K_SPLITS partial sums) / COUNT,
+    CHUNK splits at a time in order (a fixed order, as _splits_reduce_kernel's), stored to mean; else 0 stored. Then
+    the extremes' partials [rows, splits, 2, D] of its GROUP query heads (rows row·GROUP + g) and of its keys reduced,
+    the ranges (K's about μK), IEEE quotients and square roots."""
     row = tl.program_id(0)
     cols = tl.arange(0, D)
+    mu = tl.zeros([D], dtype=tl.float32)
+    if SMOOTH:
+        for first in range(0, K_SPLITS, CHUNK):
+            splits = first + tl.arange(0, CHUNK)
+            x = tl.load(k_sum_ptr + (row * K_SPLITS + splits[:, None]) * D + cols[None, :],
+                        mask=(splits < K_SPLITS)[:, None], other=0.0)
+            mu += tl.sum(x, axis=0)
+        mu = mu / COUNT
+    tl.store(mean_ptr + row * D + cols, mu)
     q_hi = tl.full([D], float("-inf"), tl.float32)
     q_lo = tl.full([D], float("inf"), tl.float32)
     for i in range(0, GROUP * Q_SPLITS):
@@ -433,7 +451,6 @@ def _balance_kernel(q_ext_ptr, k_ext_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROU
         part = k_ext_ptr + (row * K_SPLITS + i) * 2 * D
         k_hi = tl.maximum(k_hi, tl.load(part + cols))
         k_lo = tl.minimum(k_lo, tl.load(part + D + cols))
-    mu = tl.load(mean_ptr + row * D + cols) if HAS_MEAN else tl.zeros([D], dtype=tl.float32)
     r_q = tl.maximum(q_hi, -q_lo)
     r_k = tl.maximum(k_hi - mu, mu - k_lo)
     ok = (r_q > 0) & (r_k > 0) & (r_q < float("inf")) & (r_k < float("inf"))
@@ -538,36 +555,38 @@ def _tables_or_none(x: torch.Tensor, table_args: list) -> tuple:
 
 def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, sample: int = 0, interleaved: bool = False,
                       norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None,
-                      extremes: bool = False):
+                      extremes: bool = False, sums: bool = True):
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens — or, with sample S > 0, over its share of the
     keys spec.mean_sample_positions(N, S) takes. interleaved / norm_weight / norm_eps: the producer
-    (prep.rope_halves); D in the halves' order. ``extremes``: (those sums, fp32 [B·H, splits, 2, D] the max and min
-    of the same tokens' finite values)."""
+    (prep.rope_halves); D in the halves' order. ``extremes``: (those sums, or None with ``sums=False``; fp32 [B·H,
+    splits, 2, D] the max and min of the same tokens' finite values)."""
     batch, heads, n, d = x.shape
     tiling = heuristics("sum", d, sampled=sample > 0)
     splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
-    partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
-    ext = torch.empty((batch * heads, splits, 2, d), dtype=torch.float32, device=x.device) if extremes else partial
+    ext = torch.empty((batch * heads, splits, 2, d), dtype=torch.float32, device=x.device) if extremes else None
+    partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device) if sums else None
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
     wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
-        *_x_args(x, interleaved), *table_args, *producer, partial, ext, heads, n, tiling.tiles, sample, HALF=d // 2,
-        BLOCK=tiling.block, SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary,
-        EXTREMES=extremes, num_warps=tiling.warps)
+        *_x_args(x, interleaved), *table_args, *producer, ext if partial is None else partial,
+        partial if ext is None else ext, heads, n, tiling.tiles, sample, HALF=d // 2, BLOCK=tiling.block,
+        SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary, EXTREMES=extremes, SUMS=sums,
+        num_warps=tiling.warps)
     return (partial, ext) if extremes else partial
 
 
-def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_mean: Optional[torch.Tensor]):
-    """spec.channel_balance from the extremes' partials of q ([B·Hq, splits, 2, D]) and k ([B·Hkv, splits', 2, D]) and
-    μK ([B,Hkv,1,D] or None): (β, 1/β), fp32 [B·Hkv, D] each, in one launch."""
-    rows, d = k_ext.shape[0], k_ext.shape[-1]
-    q_mult = torch.empty((rows, d), dtype=torch.float32, device=k_ext.device)
-    k_mult = torch.empty_like(q_mult)
-    mean_arg = k_mean.reshape(rows, d).contiguous() if k_mean is not None else q_mult
-    wrap_triton(_balance_kernel)[(rows,)](q_ext, k_ext, mean_arg, q_mult, k_mult, q_ext.shape[0] // rows,
-                                          q_ext.shape[1], k_ext.shape[1], D=d, HAS_MEAN=k_mean is not None,
-                                          LIMIT=BALANCE_LIMIT, num_warps=1)
-    return q_mult, k_mult
+def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_sums: Optional[torch.Tensor], count):
+    """μK and spec.channel_balance in one launch, from the extremes' partials of q ([B·Hq, splits, 2, D]) and k
+    ([B·Hkv, splits', 2, D]) and K's partial sums ([B·Hkv, splits', D], or None: no smoothing, μK = 0) over ``count``
+    keys: (μK, β, 1/β), fp32 [B·Hkv, D] each."""
+    rows, splits, d = k_ext.shape[0], k_ext.shape[1], k_ext.shape[-1]
+    k_mean = torch.empty((rows, d), dtype=torch.float32, device=k_ext.device)
+    q_mult, k_mult = torch.empty_like(k_mean), torch.empty_like(k_mean)
+    wrap_triton(_balance_kernel)[(rows,)](q_ext, k_ext, k_ext if k_sums is None else k_sums, k_mean, q_mult, k_mult,
+                                          q_ext.shape[0] // rows, q_ext.shape[1], splits, count, D=d,
+                                          SMOOTH=k_sums is not None, CHUNK=BALANCE_CHUNK, LIMIT=BALANCE_LIMIT,
+                                          num_warps=1)
+    return k_mean, q_mult, k_mult
 
 
 def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:

@@ -304,12 +304,13 @@ def test_compiled_rotary_runs_in_the_fused_prep(causal, k_granularity):
     assert "_rope_quantize_kernel" not in generic_code and "async_compile.triton('_v_quantize_kernel'" in generic_code
     assert counters["sage"]["rope_absorbed"] == 1
     assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1  # Inductor launches our kernels
-    assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
+    assert code.count("async_compile.triton('_rope_sum_kernel'") == 2  # K's sums and extremes, Q's extremes alone
     assert code.count("async_compile.triton('_v_quantize_kernel'") == 1  # V's prep in our kernels too
     assert code.count("async_compile.triton('_absmax_sum_kernel'") == 1
-    # μK's sum and δV's max over their partials: our kernel (a fixed summation order on every compile), not a
-    # reduction Inductor generates and autotunes
-    assert code.count("async_compile.triton('_splits_reduce_kernel'") == 2
+    # μK's sum and δV's max over their partials: our kernels (a fixed summation order on every compile), not a
+    # reduction Inductor generates and autotunes — μK's inside the launch that computes β (equalize_qk, the default)
+    assert code.count("async_compile.triton('_balance_kernel'") == 1
+    assert code.count("async_compile.triton('_splits_reduce_kernel'") == 1
     assert "triton_per_fused" not in code and "triton_red_fused" not in code
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
     call = code[code.index("torch.ops.sage.quantized_attention.default("):].split("\n")[0]
@@ -363,7 +364,7 @@ def test_compiled_qk_norm_and_interleaved_rotary_run_in_the_fused_prep(causal, k
     code = "\n".join(codes)
     assert sage_counters.get("rope_interleaved") == 1 and sage_counters.get("qk_norm_absorbed") == 2, sage_counters
     assert code.count("async_compile.triton('_rope_quantize_kernel'") >= 1
-    assert code.count("async_compile.triton('_rope_sum_kernel'") == 1
+    assert code.count("async_compile.triton('_rope_sum_kernel'") == 2  # K's sums and extremes, Q's extremes alone
     assert "triton_per_fused" not in code and "triton_red_fused" not in code
     assert "torch.ops.sage.quantized_attention.default(" in code and "scaled_dot_product" not in code
     ref = _flux_block(*(t.float() for t in args[:-1]), causal)
