@@ -97,7 +97,8 @@ def test_e2e_runs_name_their_variant_by_their_options():
     assert e2e_bench.variant(e2e_bench._parse([])) == "default"
     assert e2e_bench.variant(e2e_bench._parse(["--static", "--gqa", "4", "--default-only"])) \
         == "static_gqa4_default_only"
-    assert e2e_bench.variant(e2e_bench._parse(["--producer", "none", "--mask", "key_padding"])) == "none_mask_key_padding"
+    assert e2e_bench.variant(e2e_bench._parse(["--producer", "none", "--mask", "key_padding"])) \
+        == "none_mask_key_padding"
 
 
 def test_report_renders_every_device_and_variant_of_a_results_directory(tmp_path):
