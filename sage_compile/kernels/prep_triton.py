@@ -9,6 +9,7 @@ read whole token rows of a [B, N, H, D] tensor rather than one head's 256-byte s
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +18,12 @@ import triton
 import triton.language as tl
 
 from torch.library import wrap_triton
+
+try:
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:  # a torch without the switch: every launch goes through wrap_triton
+    def is_wrap_triton_enabled() -> bool:
+        return True
 
 from ..numerics.spec import BALANCE_LIMIT, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
 
@@ -509,6 +516,61 @@ def _lse_shift_kernel(x_ptr, sxb, sxh, sxn, sxd, mu_ptr, out_ptr, H, GROUPS, N, 
     tl.store(out_ptr + bh * N + rows, tl.sum(x * mu[None, :], axis=1) * scale, mask=rows < N)
 
 
+def _launcher(kernel, grid):
+    """``kernel[grid]`` as this module launches it: through wrap_triton where that traces (torch.compile; a triton_op
+    traced), else — an eager call on real tensors, where wrap_triton is off — by ``_launch_compiled``."""
+    if is_wrap_triton_enabled():
+        return wrap_triton(kernel)[grid]
+    return functools.partial(_launch_compiled, kernel, grid)
+
+
+# Eager launches skip Triton's per-call binding (its specialization of every argument, the cache key built from them,
+# the globals check — host time that grows with the ~40 arguments of the rotary kernels): the compiled kernel of a
+# launch is kept under a key holding all that Triton specializes on — each tensor's dtype and 16-byte alignment, each
+# int, bool and None by value, constexprs by value, the options — and the next launch with the same key runs it
+# directly (CompiledKernel[grid]). Cleared when full: a key per distinct shape.
+_COMPILED: dict = {}
+_COMPILED_LIMIT = 1024
+
+
+def _launch_compiled(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), the compiled kernel taken from _COMPILED where the key has been launched."""
+    constexprs = _constexpr_positions(kernel)
+    key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()),
+           tuple(a if i in constexprs else _runtime_arg_key(a) for i, a in enumerate(args)))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if len(_COMPILED) >= _COMPILED_LIMIT:
+            _COMPILED.clear()
+        _COMPILED[key] = compiled, _trailing_args(kernel, len(args), kwargs)
+        return
+    compiled, trailing = entry
+    compiled[(*grid, 1, 1)[:3]](*args, *trailing)  # a compiled kernel takes the grid's three sizes
+
+
+def _runtime_arg_key(arg):
+    """What Triton specializes a launch on for a non-constexpr argument (or more)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, float):
+        return float
+    return arg  # an int (Triton specializes 1, multiples of 16 and the 32/64-bit width), a bool or None
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_positions(kernel) -> frozenset:
+    return frozenset(p.num for p in kernel.params if p.is_constexpr)
+
+
+def _trailing_args(kernel, given: int, kwargs: dict) -> tuple:
+    """The values of the parameters after the ``given`` positional ones, in order: from the keywords, else their
+    defaults (what the compiled kernel takes positionally); launch options (num_warps...) are not parameters."""
+    names = [p.name for p in kernel.params[given:]]
+    defaults = {p.name: p.default for p in kernel.params[given:]}
+    return tuple(kwargs[name] if name in kwargs else defaults[name] for name in names)
+
+
 def _x_args(x: torch.Tensor, interleaved: bool = False) -> list:
     """x and its strides; ``interleaved``: counted in channel pairs, for _deinterleaved's one-word pair reads (x
     copied first where its pairs are not whole words: channels not contiguous, an odd stride or offset)."""
@@ -567,7 +629,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device) if sums else None
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
-    wrap_triton(_rope_sum_kernel)[(batch * heads, splits)](
+    _launcher(_rope_sum_kernel, (batch * heads, splits))(
         *_x_args(x, interleaved), *table_args, *producer, ext if partial is None else partial,
         partial if ext is None else ext, heads, n, tiling.tiles, sample, HALF=d // 2, BLOCK=tiling.block,
         SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary, EXTREMES=extremes, SUMS=sums,
@@ -582,10 +644,10 @@ def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_sums: Optional[t
     rows, splits, d = k_ext.shape[0], k_ext.shape[1], k_ext.shape[-1]
     k_mean = torch.empty((rows, d), dtype=torch.float32, device=k_ext.device)
     q_mult, k_mult = torch.empty_like(k_mean), torch.empty_like(k_mean)
-    wrap_triton(_balance_kernel)[(rows,)](q_ext, k_ext, k_ext if k_sums is None else k_sums, k_mean, q_mult, k_mult,
-                                          q_ext.shape[0] // rows, q_ext.shape[1], splits, count, D=d,
-                                          SMOOTH=k_sums is not None, CHUNK=BALANCE_CHUNK, LIMIT=BALANCE_LIMIT,
-                                          num_warps=1)
+    _launcher(_balance_kernel, (rows,))(q_ext, k_ext, k_ext if k_sums is None else k_sums, k_mean, q_mult, k_mult,
+                                        q_ext.shape[0] // rows, q_ext.shape[1], splits, count, D=d,
+                                        SMOOTH=k_sums is not None, CHUNK=BALANCE_CHUNK, LIMIT=BALANCE_LIMIT,
+                                        num_warps=1)
     return k_mean, q_mult, k_mult
 
 
@@ -594,7 +656,7 @@ def reduce_splits(partial: torch.Tensor, count=None) -> torch.Tensor:
     in _splits_reduce_kernel's fixed order."""
     rows, splits, d = partial.shape
     out = torch.empty((rows, d), dtype=torch.float32, device=partial.device)
-    wrap_triton(_splits_reduce_kernel)[(rows, triton.cdiv(d, REDUCE_COLS))](
+    _launcher(_splits_reduce_kernel, (rows, triton.cdiv(d, REDUCE_COLS)))(
         partial, out, splits, 1 if count is None else count, D=d, COLS=REDUCE_COLS, CHUNK=REDUCE_CHUNK,
         MEAN=count is not None, num_warps=REDUCE_WARPS)
     return out
@@ -624,7 +686,7 @@ def launch_rope_quantize(x, table_args, same_halves: bool, mean, x8, deltas, out
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
     grid = (batch * heads // heads_per_program, triton.cdiv(tiles, tiling.tiles))
-    wrap_triton(_rope_quantize_kernel)[grid](
+    _launcher(_rope_quantize_kernel, grid)(
         *_x_args(x, interleaved), *table_args, *producer, mean_arg, chan_arg, x8, deltas, heads, n, chan_group,
         HALF=d // 2, BLOCK=tiling.block, HAS_MEAN=mean is not None, SAME_HALVES=same_halves,
         THREAD_GROUPS=thread_groups, OUT_SCALE=float(out_scale), **flags, TILES=tiling.tiles,
@@ -637,8 +699,8 @@ def absmax_partials(x: torch.Tensor) -> torch.Tensor:
     tiling = heuristics("amax", d)
     splits = triton.cdiv(n, tiling.tiles * tiling.block)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device)
-    wrap_triton(_absmax_sum_kernel)[(batch * heads, splits)](*_x_args(x), partial, heads, n, tiling.tiles, D=d,
-                                                             BLOCK=tiling.block, num_warps=tiling.warps)
+    _launcher(_absmax_sum_kernel, (batch * heads, splits))(*_x_args(x), partial, heads, n, tiling.tiles, D=d,
+                                                           BLOCK=tiling.block, num_warps=tiling.warps)
     return partial
 
 
@@ -648,7 +710,7 @@ def launch_v_quantize(v: torch.Tensor, amax: torch.Tensor, delta: torch.Tensor, 
     batch, heads, n, d = v.shape
     n_pad = v_t.shape[-1]
     tiling = heuristics("v_quantize", d)
-    wrap_triton(_v_quantize_kernel)[(batch * heads, triton.cdiv(n_pad, tiling.block))](
+    _launcher(_v_quantize_kernel, (batch * heads, triton.cdiv(n_pad, tiling.block)))(
         *_x_args(v), amax, delta, v_t, heads, n, n_pad, D=d, BLOCK=tiling.block, num_warps=tiling.warps)
 
 
@@ -661,7 +723,7 @@ def lse_shift(q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tens
     batch, heads, n, d = q.shape
     mu = k_mean.reshape(batch, -1, d).float().contiguous()
     out = torch.empty((batch, heads, n), dtype=torch.float32, device=q.device)
-    wrap_triton(_lse_shift_kernel)[(batch * heads, triton.cdiv(n, LSE_SHIFT_BLOCK))](
+    _launcher(_lse_shift_kernel, (batch * heads, triton.cdiv(n, LSE_SHIFT_BLOCK)))(
         *_x_args(q), mu, out, heads, heads // mu.shape[1], n, float(scale), D=d, BLOCK=LSE_SHIFT_BLOCK,
         num_warps=LSE_SHIFT_WARPS)
     return out

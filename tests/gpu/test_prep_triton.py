@@ -422,6 +422,35 @@ def test_eager_sage_attention_runs_the_fused_prep(causal, k_granularity, gqa):
         assert counters["sage"]["eager_fused_prep"] == 0
 
 
+def test_eager_launches_reuse_a_compiled_kernel_only_where_triton_would():
+    """Eager launches take the compiled kernel from prep_triton's cache (no Triton binding per call): a second call
+    with the same shapes adds no entry and gives the same bits; a k whose data is not 16-byte aligned (Triton compiles
+    another kernel for it) gets entries of its own and the same bits as an aligned copy of it."""
+    from sage_compile.kernels import prep_triton
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+    q, k, v = (torch.randn(1, 700, 4, 128, generator=g, device=DEV).bfloat16().transpose(1, 2) for _ in range(3))
+    scheme, scale = SageConfig().scheme, 128 ** -0.5
+    fields = ("q", "q_scale", "k", "k_scale", "v", "v_scale")
+
+    def bits(p):
+        return [getattr(p, f).view(torch.uint8) for f in fields]
+
+    prep_triton._COMPILED.clear()
+    first = bits(prep.plain_prepare(q, k, v, scale, scheme))
+    entries = len(prep_triton._COMPILED)
+    again = bits(prep.plain_prepare(q, k, v, scale, scheme))
+    assert entries >= 6 and len(prep_triton._COMPILED) == entries
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    storage = torch.empty(k.numel() + 1, dtype=k.dtype, device=DEV)
+    k_odd = storage[1:].view(1, 700, 4, 128).transpose(1, 2)  # 2 bytes past an aligned address
+    k_odd.copy_(k)
+    assert k_odd.data_ptr() % 16 != 0
+    odd = bits(prep.plain_prepare(q, k_odd, v, scale, scheme))
+    assert len(prep_triton._COMPILED) > entries
+    assert all(torch.equal(a, b) for a, b in zip(first, odd))
+
+
 @pytest.mark.parametrize("hkv,d", [(8, 128), (2, 64)])
 def test_the_lse_shift_kernel_is_the_specs(hkv, d):
     """prep_triton.lse_shift (the eager return_lse path's scale·q·μK, one read of q) equals spec.lse_shift within fp32
