@@ -49,6 +49,11 @@ def random_masking(kind, batch, n_q, n_k, dtype, seed, every_row_sees_a_key=True
 def backward_args(q, k, v, grad_out, causal=0, kv_lens=None, attn_mask=None, scale=None):
     """sage::attention_backward's arguments (spec.attention_backward_reference's, by name), from the spec end to end:
     prepare (the sage backward family's forward scheme) → forward reference (out, lse) → prepare_backward."""
+    return backward_operands(q, k, v, grad_out, causal, kv_lens, attn_mask, scale)[0]
+
+
+def backward_operands(q, k, v, grad_out, causal=0, kv_lens=None, attn_mask=None, scale=None):
+    """(backward_args, the forward's equalize_qk 1/β or None: what the family multiplies dK by)."""
     from sage_compile.numerics import spec
     from sage_compile.kernels.backward import sage as sage_family
     from sage_compile.numerics.scheme import Scheme
@@ -61,7 +66,7 @@ def backward_args(q, k, v, grad_out, causal=0, kv_lens=None, attn_mask=None, sca
     do8, do_scale, delta, kc, kc_scale = spec.prepare_backward(grad_out, out, k)
     return dict(grad_out=grad_out, do8=do8, do_scale=do_scale, delta=delta, q=p.q, q_scale=p.q_scale, k=p.k,
                 k_scale=p.k_scale, kc=kc, kc_scale=kc_scale, v=v, lse=lse, kv_lens=kv_lens, attn_mask=mask,
-                causal=causal, scale=scale)
+                causal=causal, scale=scale), p.k_channel_scale
 
 
 @st.composite

@@ -112,6 +112,7 @@ def _fused_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Sche
     through their ops (eager only)."""
     q_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(q_norm))
     k_producer = dict(interleaved=interleaved, direct=direct, **_norm_kwargs(k_norm))
+    k_mult = None
     if quant.equalize_qk:  # μK and β from one look at a sample of q and k, then Q, then K
         k_mean, q_mult, k_mult = rope_balance_op(xq, q_tables, xk, k_tables, quant.k_mean_sample, quant.smooth_k,
                                                  interleaved, direct, q_norm, k_norm)
@@ -126,7 +127,7 @@ def _fused_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Sche
         k8, k_scale = rope_quantize_op(xk, k_tables, k_mean, 1.0, quant.k_thread_groups, **k_producer)
     v_t, v_scale, v_mean = prepare_v(v, quant, direct=direct)
     prepared = spec.Prepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_scale, v_mean=v_mean,
-                             delta_s=None, scheme=quant)
+                             delta_s=None, scheme=quant, k_channel_scale=k_mult)
     return prepared, k_mean
 
 

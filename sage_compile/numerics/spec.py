@@ -434,6 +434,7 @@ class Prepared:
     delta_s: Optional[torch.Tensor]  # fp32 [B,Hq,ceil(Nq/q_block),Nk], base-2 score units, or None
     scheme: Scheme  # what was quantized how (q_block: Q tokens per delta_s row; per_thread K groups...)
     lse_shift: Optional[torch.Tensor] = None  # fp32 [B,Hq,Nq]: scale·q·μK, to turn the kernel's LSE into SDPA's
+    k_channel_scale: Optional[torch.Tensor] = None  # fp32 [B,Hkv,1,D]: equalize_qk's 1/β, which k̃ was multiplied by
     q_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hq,Nq,Dp/16]
     k_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hkv,Nk,Dp/16]
     v_block_scale: Optional[torch.Tensor] = None  # fp4: e4m3 [B,Hkv,Dp,Nk_pad16/16], 16 keys each
@@ -468,6 +469,7 @@ def prepare(
         qf = qf - q_mean.repeat_interleave(quant.q_block, dim=-2)[..., : q.shape[-2], :]
         delta_s = _grouped_matmul(q_mean, k_smooth.transpose(-1, -2)) * score_scale
 
+    k_mult = None
     if quant.equalize_qk:  # step 2': (q·β)·(k̃/β), channel ranges balanced (ΔS above from the unscaled operands)
         q_mult, k_mult = qk_channel_balance(q, k, k_mean, kv_lens, quant.k_mean_sample)
         qf = qf * per_query_head(q_mult, q.shape[1])
@@ -483,7 +485,7 @@ def prepare(
         v4, v_block_scale, v_scale, v_mean = prepare_v_fp4(v, quant, kv_lens)
         return Prepared(q=q4, q_scale=q_delta * score_scale, k=k4, k_scale=k_delta, v=v4, v_scale=v_scale,
                         v_mean=v_mean, delta_s=delta_s, scheme=quant, lse_shift=shift, q_block_scale=q_block_scale,
-                        k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+                        k_block_scale=k_block_scale, v_block_scale=v_block_scale, k_channel_scale=k_mult)
     q8, q_delta = quantize_symmetric(qf, q_amax, levels)
     k8, k_delta = quantize_symmetric(k_smooth, k_amax, levels)
 
@@ -499,6 +501,7 @@ def prepare(
         delta_s=delta_s,
         scheme=quant,
         lse_shift=shift,
+        k_channel_scale=k_mult,
     )
 
 

@@ -82,7 +82,7 @@ def make_case(batch, hq, hkv, n_q, n_k, d, causal=0, kv_lens=None, mask=None, se
         kv_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     attn_mask = random_mask(mask, batch, hq, n_q, n_k, g, device)
     scale = d ** -0.5
-    # the forward operands the 8-bit backward reuses: its forward never equalizes (backward/sage.py forward_scheme)
+    # forward operands for the kernels (any prepared q, k do; with equalize_qk the family scales dK by 1/β after them)
     p = spec.prepare(q, k, v, scale, spec.Scheme(equalize_qk=False), kv_lens)
     cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
     out, lse = spec.quantized_attention_reference(
