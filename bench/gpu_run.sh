@@ -22,7 +22,10 @@ python -m sage_compile doctor 2>&1 | tee "$OUT/doctor.log"
 case "$mode" in
   quick|full)
     xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-    python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+    # the tests' own result files (accuracy_*.json, minilm.json) go into one archive: few files come back from a device
+    mkdir -p "$OUT/tests"
+    OUT="$OUT/tests" python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+    tar czf "$OUT/test_results.tgz" -C "$OUT" tests && rm -rf "$OUT/tests"
     python -m sage_compile demo --seq-len 1024 2>&1 | tee "$OUT/demo.log" | tail -4 ;;
 esac
 case "$mode" in
