@@ -19,7 +19,7 @@ NEVER = math.inf
 #     16K 1.16. The interleaved rotary measured level or ahead at 4K on both GPUs: one table for both rotary forms;
 #     a QK-norm before the rotary has its own table (MEASURED_QK_NORM below).
 #   D=64 4K/16K: H100 0.93, 0.99 (causal 0.90, 0.99); H200 0.95, 1.00: never clearly ahead.
-# Those results predate equalize_qk (now the default: two prep launches more); not re-measured with it yet.
+# Those results were measured without equalize_qk (now the default: one prep launch more); not re-measured with it.
 MEASURED = {
     (9, 128, False): 4096,
     (9, 128, True): 8192,
