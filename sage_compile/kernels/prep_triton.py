@@ -3,9 +3,10 @@
 
 Exactness against ``prep.rope_reference`` + ``spec.quantize_symmetric``: fp32 arithmetic in the reference's
 order, products rounded once (as mul.rn, or exact inside an FMA), IEEE division (div.rn) for δ and 1/δ, and
-x̂ = rint(x·(1/δ)) (round half to even, ``_quantized_int8``). Launched through torch.library.wrap_triton (Inductor
-then launches them from its generated code). Programs are ordered heads-fastest, so the programs in flight together
-read whole token rows of a [B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
+x̂ = rint(x·(1/δ)) (round half to even, ``_quantized_int8``). Launched through torch.library.wrap_triton where traced
+(Inductor then launches them from its generated code), and eagerly from a cache of their compiled kernels
+(``_launcher``). Programs are ordered heads-fastest, so the programs in flight together read whole token rows of a
+[B, N, H, D] tensor rather than one head's 256-byte slice of many rows.
 """
 from __future__ import annotations
 
