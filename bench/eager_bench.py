@@ -17,7 +17,9 @@ q, k, v bf16 [B, H, N, D]):
 * ``public`` — ``sageattention.sageattn(q, k, v, tensor_layout="HND")`` when the package imports.
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets, columns interleaved over ``--rounds``
-passes (kernel_bench.interleaved_ms). Prints a table last; ``--record`` writes its device's entry of
+passes (kernel_bench.interleaved_ms); and each column's host time per call, ``<column>_host_us``
+(kernel_bench.host_us: the fastest of 7 runs of 20 calls timed on the host — where it exceeds the GPU time, the call is
+host-bound). Prints a table last; ``--record`` writes its device's entry of
 docs/results/eager_bench.json.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from . import recording
 from .kernel_bench import (
-    N_SETS, SHAPES, TOKENS, _make_inputs, _rotating, add_grid_arguments, interleaved_ms, parse_grid,
+    N_SETS, SHAPES, TOKENS, _make_inputs, _rotating, add_grid_arguments, host_us, interleaved_ms, parse_grid,
 )
 
 COLUMNS = ("cudnn", "sage", "sage_pt", "default", "compiled", "public")
@@ -91,9 +93,9 @@ def _accuracy(sets, causal: bool) -> dict:
     q, k, v = sets[0]
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal).flatten()
-        outs = {"sage": sage_attention(q, k, v, is_causal=causal,
-                                       config=SageConfig(min_seq_len=0, k_granularity="per_token")),
-                "sage_pt": sage_attention(q, k, v, is_causal=causal, config=SageConfig(min_seq_len=0))}
+        outs = {"sage": sage_attention(q, k, v, is_causal=causal, config=SageConfig(min_seq_len=0)),
+                "sage_pt": sage_attention(q, k, v, is_causal=causal,
+                                          config=SageConfig(min_seq_len=0, k_granularity="per_thread"))}
         public = _public_sageattn()
         if public is not None:
             outs["public"] = public(q, k, v, tensor_layout="HND", is_causal=causal)
@@ -123,7 +125,10 @@ def main(argv=None):
             for causal in opts.causals:
                 ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
                 row = dict(d=d, h=heads, n=n, b=batch, causal=causal, chose=_default_choice(sets, bool(causal)))
-                row.update(interleaved_ms(_columns(sets, bool(causal)), opts.rounds))
+                columns = _columns(sets, bool(causal))
+                row.update(interleaved_ms(columns, opts.rounds))
+                with torch.no_grad():
+                    row.update({f"{name}_host_us": host_us(fn) for name, fn in columns.items()})
                 row.update({f"{c}_tops": ops / row[f"{c}_ms"] / 1e9 for c in COLUMNS if f"{c}_ms" in row})
                 row.update(_accuracy(sets, bool(causal)))
                 rows.append(row)
@@ -138,6 +143,10 @@ def main(argv=None):
     print(_header())
     for row in rows:
         print(_fmt(row))
+    print("host µs per call")
+    print(_header(cos=False))
+    for row in rows:
+        print(_fmt(row, "host_us", cos=False))
     return 0
 
 
@@ -149,15 +158,16 @@ def _public_version():
         return None if _public_sageattn() is None else "unknown"
 
 
-def _header() -> str:
-    return f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c:>9}" for c in COLUMNS) + "  chose  cos sage/pt/public"
+def _header(cos: bool = True) -> str:
+    return (f"{'D':>4} {'causal':>6} {'N':>6} {'B':>3} " + "".join(f"{c:>9}" for c in COLUMNS)
+            + ("  chose  cos sage/pt/public" if cos else ""))
 
 
-def _fmt(row) -> str:
-    cell = lambda c: f"{row[c + '_tops']:9.0f}" if c + "_tops" in row else f"{'-':>9}"  # noqa: E731
-    cos = "/".join(f"{row[c + '_cos']:.5f}" for c in ("sage", "sage_pt", "public") if c + "_cos" in row)
+def _fmt(row, value: str = "tops", cos: bool = True) -> str:
+    cell = lambda c: f"{row[f'{c}_{value}']:9.0f}" if f"{c}_{value}" in row else f"{'-':>9}"  # noqa: E731
+    cosines = "/".join(f"{row[c + '_cos']:.5f}" for c in ("sage", "sage_pt", "public") if c + "_cos" in row)
     return (f"{row['d']:>4} {row['causal']:>6} {row['n']:>6} {row['b']:>3} " + "".join(cell(c) for c in COLUMNS)
-            + f"  {row['chose']:5s}  {cos}")
+            + (f"  {row['chose']:5s}  {cosines}" if cos else ""))
 
 
 if __name__ == "__main__":

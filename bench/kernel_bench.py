@@ -75,6 +75,26 @@ def interleaved_ms(columns: dict, rounds: int, grad: bool = False) -> dict:
     return out
 
 
+def host_us(fn, calls: int = 20, passes: int = 7, sync=None) -> float:
+    """Host time of one call of ``fn`` in µs: the fastest of ``passes`` runs of ``calls`` calls, timed on the host with
+    no synchronization inside (so a call's GPU work does not count while the launch queue has room: 20 calls of a
+    dozen launches are far from its ~1000 entries), ``sync`` (default: CUDA's) before each run and after the last.
+    The fastest pass: the host's own noise only ever adds."""
+    import time as clock
+
+    sync = torch.cuda.synchronize if sync is None else sync
+    best = float("inf")
+    fn()
+    for _ in range(passes):
+        sync()
+        start = clock.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (clock.perf_counter() - start) / calls * 1e6)
+    sync()
+    return best
+
+
 def _graph_ms(fn):
     """GPU time of ``fn`` alone: median of do_bench_cudagraph (host launch cost out); for host-bound pieces
     like a compiled prep, whose do_bench time is its Python/launch time."""

@@ -90,3 +90,21 @@ def test_columns_compile_whole_under_dynamic_shapes_with_and_without_gqa():
             compiled(*inputs)
         assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
         assert torch._dynamo.utils.counters["sage"]["sites_replaced"] == 1
+
+
+def test_host_time_is_the_fastest_pass_of_calls_without_a_sync_inside():
+    """bench.kernel_bench.host_us (bench eager's host columns): one untimed call, then passes of `calls` calls with the
+    sync only around each pass; the per-call time of the fastest pass, in µs."""
+    import time
+
+    from sage_compile.bench import kernel_bench
+
+    events = []
+    delays = iter([0.0] + [0.002] * 3 + [0.001] * 3 + [0.003] * 3)  # untimed call, then passes of 2 ms, 1 ms, 3 ms
+
+    def fn():
+        events.append("call")
+        time.sleep(next(delays))
+    us = kernel_bench.host_us(fn, calls=3, passes=3, sync=lambda: events.append("sync"))
+    assert events == ["call"] + (["sync"] + ["call"] * 3) * 3 + ["sync"]
+    assert 1000 <= us < 1900
