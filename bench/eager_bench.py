@@ -18,9 +18,8 @@ q, k, v bf16 [B, H, N, D]):
 
 Timing: median of ``triton.testing.do_bench`` over 3 rotating input sets, columns interleaved over ``--rounds``
 passes (kernel_bench.interleaved_ms); and each column's host time per call, ``<column>_host_us``
-(kernel_bench.host_us: the fastest of 7 runs of 20 calls timed on the host — where it exceeds the GPU time, the call is
-host-bound). Prints a table last; ``--record`` writes its device's entry of
-docs/results/eager_bench.json.
+(kernel_bench.host_us: the fastest of 7 runs of 20 calls timed on the host — where it exceeds the GPU time, the call
+is host-bound). Prints a table last; ``--record`` writes its device's entry of docs/results/eager_bench.json.
 """
 from __future__ import annotations
 
