@@ -5,17 +5,17 @@ Accuracy: dq, dk, dv of ``sage_attention(..., backward="sage")`` against fp32 au
 relative L1) at each --acc-n on the three input distributions (bench/distributions.py), B=1, H=8, D=128, bf16
 inputs, dO ~ N(0,1); the ``sdpa`` family's rows (8-bit forward, SDPA's exact gradient) beside it. With
 ``--activations FILE``, also on a real model's attention inputs and their real upstream gradient:
-``--capture FILE`` writes them — SmolLM2-135M (bench/perplexity.py's model and text, fp32 on the CPU) at layers
+``--capture FILE`` writes them — SmolLM2-135M (bench/accuracy.py's model and text, fp32 on the CPU) at layers
 0, 15 and 29 of one 2048-token window, q/k/v as they reach F.scaled_dot_product_attention and dO from the
 language-model loss, saved in bf16.
-Speed: one attention's forward + backward, bf16, B·N = 16K tokens, H=16 at D=128 and H=32 at D=64, median of
+Speed (on CUDA; on the CPU the accuracy alone, through the C++ kernels): one attention's forward + backward, bf16, B·N = 16K tokens, H=16 at D=128 and H=32 at D=64, median of
 ``triton.testing.do_bench``: ``kernels`` — sage.quantized_attention + sage.attention_backward on prepared operands
 (the preps excluded: under torch.compile Inductor fuses them into the producers); ``compiled`` — torch.compile of
 SDPA with backend="sage" (dynamic shapes, preps included); cuDNN and flash — F.scaled_dot_product_attention's
 forward and backward. TOPS = 3.5 · 4·B·H·N²·D / time (the backward counted as 2.5 forwards), halved for causal.
 
     python -m sage_compile bench backward [--acc-n ...] [--n ...] [--activations FILE] [--record]
-    python -m sage_compile bench backward --capture FILE     (where the perplexity model is installed)
+    python -m sage_compile bench backward --capture FILE     (where SmolLM2-135M is installed: bench accuracy)
 """
 from __future__ import annotations
 
@@ -77,12 +77,13 @@ CAPTURED_LAYERS = (0, 15, 29)
 
 def capture_activations(path, tokens=2048):
     """Write SmolLM2-135M's attention inputs and upstream gradients at CAPTURED_LAYERS (fp32 model on the CPU, one
-    window of bench/perplexity.py's default text, the language-model loss) to ``path``, in bf16."""
-    from . import perplexity
+    window of bench/accuracy.py's default text, the language-model loss) to ``path``, in bf16."""
+    from . import accuracy
 
-    gguf = perplexity.gguf_path()
-    model = perplexity.load_model(gguf, torch.float32)
-    ids = perplexity.token_windows(perplexity.DEFAULT_TEXT, tokens, 1, gguf)
+    name = "smollm2-135m"
+    model = accuracy.load(name, "cpu").float()
+    tokenizer = accuracy.load_tokenizer(name)
+    ids = accuracy.inputs_of(name, tokenizer, accuracy.DEFAULT_TEXT, tokens, 1, "cpu")[0]["input_ids"]
     calls, sdpa = [], F.scaled_dot_product_attention
 
     def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -208,16 +209,17 @@ def main(argv=None) -> int:
     opts = parse_grid(opts)
     from sage_compile import ops  # noqa: F401 (registers sage::*)
 
-    result = dict(**recording.environment(), accuracy=accuracy_rows(int_list(opts.acc_n), opts.activations),
-                  speed=speed_rows(opts.ns, opts.ds, opts.causals),
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: accuracy alone (the C++ kernels), no speed
+    result = dict(**recording.environment(), accuracy=accuracy_rows(int_list(opts.acc_n), opts.activations, device),
+                  speed=speed_rows(opts.ns, opts.ds, opts.causals) if device == "cuda" else [],
                   timing="triton.testing.do_bench median", tops="3.5*4*B*H*N^2*D / t, halved for causal")
     paths = recording.save("backward", result, opts)
     print(f"\n{result['device']}, torch {result['torch']}, triton {result['triton']} → "
           f"{', '.join(paths) or '(not saved: --record)'}")
-    print(f"{'N':>6} {'dist':>16} {'bwd':>5} {'dq cos':>8} {'dk cos':>8} {'dv cos':>8} {'dq rL1':>7}")
+    print(f"{'N':>6} {'dist':>16} {'bwd':>5} {'dq cos':>8} {'dk cos':>8} {'dv cos':>8} {'dq rL1':>7} {'dk rL1':>7}")
     for r in result["accuracy"]:
         print(f"{r['n']:>6} {r['dist']:>16} {r['backward']:>5} {r['dq_cos']:>8.5f} {r['dk_cos']:>8.5f} "
-              f"{r['dv_cos']:>8.5f} {r['dq_rel_l1']:>7.4f}")
+              f"{r['dv_cos']:>8.5f} {r['dq_rel_l1']:>7.4f} {r['dk_rel_l1']:>7.4f}")
     columns = ("kernels", "compiled", "cudnn", "flash")
     print(f"\n{'D':>4} {'N':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c in columns) + "   (fwd+bwd TOPS)")
     for r in result["speed"]:
