@@ -80,17 +80,15 @@ def host_us(fn, calls: int = 20, passes: int = 7, sync=None) -> float:
     no synchronization inside (so a call's GPU work does not count while the launch queue has room: 20 calls of a
     dozen launches are far from its ~1000 entries), ``sync`` (default: CUDA's) before each run and after the last.
     The fastest pass: the host's own noise only ever adds."""
-    import time as clock
-
     sync = torch.cuda.synchronize if sync is None else sync
     best = float("inf")
     fn()
     for _ in range(passes):
         sync()
-        start = clock.perf_counter()
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
-        best = min(best, (clock.perf_counter() - start) / calls * 1e6)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
     sync()
     return best
 

@@ -291,8 +291,13 @@ def _rope_mean_cuda(x: torch.Tensor, tables: List[torch.Tensor], sample: int = 0
     partial = prep_triton.rope_partial_sums(x, _table_args(tables, (batch, heads, n, d // 2)),
                                             _same_halves(tables), sample=sample, interleaved=interleaved,
                                             norm_weight=norm_weight, norm_eps=norm_eps)
-    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+    count = _sampled_count(n, sample)
     return prep_triton.reduce_splits(partial, count).view(batch, heads, 1, d)
+
+
+def _sampled_count(n, sample: int):
+    """The keys μK averages: min(N, sample) (at least 1), or N without a sample — no guard on N (dynamic shapes)."""
+    return torch.sym_max(torch.sym_min(n, sample), 1) if sample else n
 
 
 def _rope_balance_cuda(xq: torch.Tensor, q_tables: List[torch.Tensor], xk: torch.Tensor, k_tables: List[torch.Tensor],
@@ -313,7 +318,7 @@ def _rope_balance_cuda(xq: torch.Tensor, q_tables: List[torch.Tensor], xk: torch
     _, q_ext = prep_triton.rope_partial_sums(xq, _table_args(q_tables, (*xq.shape[:3], d // 2)), _same_halves(q_tables),
                                              sample=sample, interleaved=interleaved, norm_weight=q_norm_weight,
                                              norm_eps=q_norm_eps, extremes=True, sums=False)
-    count = torch.sym_max(torch.sym_min(n, sample), 1) if sample else n  # no guard on N (dynamic shapes)
+    count = _sampled_count(n, sample)
     k_mean, q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_sums, count)
     return tuple(t.view(batch, hkv, 1, d) for t in (k_mean, q_mult, k_mult))
 
