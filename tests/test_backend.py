@@ -202,7 +202,8 @@ def test_sites_kept_sdpa_leave_inductors_generated_code_unchanged():
 def test_sampled_k_mean_reads_only_the_sample_in_the_generated_code():
     """μK and equalize_qk's channel ranges from a sample (k_mean_sample): Inductor's generated prep gathers the S
     sampled tokens in loops of S instead of reducing over all N — two of the prep's N-token loops (μK's and K's
-    ranges; Q's ranges fuse into another reduction over Q) become S-token loops."""
+    ranges) become S-token loops, and Q's sampled deviations (the input of its ranges' top-k; over all N they fuse
+    into another pass over Q) a third."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -218,7 +219,7 @@ def test_sampled_k_mean_reads_only_the_sample_in_the_generated_code():
         code = "\n".join(codes)
         loops[sample] = [len(re.findall(rf"<static_cast<int64_t>\({n}L\); x\d+\+=", code)) for n in (1024, 48)]
         assert cosine(out, F.scaled_dot_product_attention(q.float(), k.float() * 2, v.float())) > 0.995
-    assert loops[48] == [loops[0][0] - 2, 2] and loops[0][1] == 0, loops
+    assert loops[48] == [loops[0][0] - 2, 3] and loops[0][1] == 0, loops
 
 
 @pytest.mark.parametrize("expanded", [False, True])

@@ -263,22 +263,75 @@ def _unbalanced_qk(seed, hq=4, hkv=2, n=300, d=64):
 @given(seed=st.integers(0, 2**16), sample=st.sampled_from([0, 16, 512]), groups=st.sampled_from([1, 2, 7]))
 def test_equalize_balances_the_ranges_and_keeps_the_scores(seed, sample, groups):
     """β and 1/β (spec.channel_balance) make Q's range (the largest over the query heads of a KV head) and the smoothed
-    K's range equal per channel over the tokens they were taken from, their product is 1 within two roundings, and the
+    K's range (spec.channel_range) equal per channel over the tokens they were taken from, their product is 1 within two roundings, and the
     scores of the scaled operands are the exact scores within fp32 rounding (no quantization yet)."""
     q, k, _ = _unbalanced_qk(seed, hq=2 * groups, hkv=2)
     k_mean = spec.token_mean(k, None, sample)
     q_mult, k_mult = spec.qk_channel_balance(q, k, k_mean, None, sample)
     assert q_mult.shape == k_mult.shape == (1, 2, 1, 64) and (q_mult > 0).all()
     torch.testing.assert_close(q_mult * k_mult, torch.ones_like(q_mult), rtol=3e-7, atol=0)
-    if sample == 0:  # the ranges over every token are equalized
-        r_q = (q.float() * spec.per_query_head(q_mult, q.shape[1])).abs().amax(-2, keepdim=True)
-        r_q = r_q.unflatten(1, (2, -1)).amax(2)
-        r_k = ((k.float() - k_mean) * k_mult).abs().amax(-2, keepdim=True)
-        torch.testing.assert_close(r_q, r_k, rtol=1e-6, atol=0)
+    r_q = spec.channel_range(q.float() * spec.per_query_head(q_mult, q.shape[1]), 0.0, None, sample)
+    r_k = spec.channel_range((k.float() - k_mean) * k_mult, 0.0, None, sample)
+    torch.testing.assert_close(r_q.unflatten(1, (2, -1)).amax(2), r_k, rtol=1e-6, atol=0)
     scaled = (q.float() * spec.per_query_head(q_mult, q.shape[1])) @ spec.per_query_head(
         (k.float() - k_mean) * k_mult, q.shape[1]).transpose(-1, -2)
     exact = q.float() @ spec.per_query_head(k.float() - k_mean, q.shape[1]).transpose(-1, -2)
     torch.testing.assert_close(scaled, exact, rtol=1e-5, atol=1e-3 * exact.abs().max().item() * 1e-2)
+
+
+def _range_by_sorting(x, centre, lens, sample):
+    """spec.channel_range, one channel at a time: the sampled valid tokens' finite |x − centre| sorted, the m-th
+    largest taken, m = min(their count, RANGE_RANK, ⌈tokens looked at / RANGE_TOKENS_PER_RANK⌉) (−inf where m = 0)."""
+    b, h, n, d = x.shape
+    out = torch.empty(b, h, 1, d)
+    for bi in range(b):
+        valid = n if lens is None else int(lens[bi])
+        if sample:
+            pos, taken = spec.mean_sample_positions(torch.tensor(valid), sample)
+            tokens = pos[taken].tolist()
+        else:
+            tokens = list(range(valid))
+        for hi in range(h):
+            for c in range(d):
+                c0 = centre if isinstance(centre, float) else float(centre[bi, hi, 0, c])
+                dev = sorted((abs(torch.tensor(float(x[bi, hi, t, c])) - torch.tensor(c0)).item() for t in tokens
+                              if math.isfinite(float(x[bi, hi, t, c]))), reverse=True)
+                rank = min(len(dev), spec.RANGE_RANK, -(-len(tokens) // spec.RANGE_TOKENS_PER_RANK))
+                out[bi, hi, 0, c] = dev[rank - 1] if rank else -math.inf
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 5, 64, 65, 200, 600]), sample=st.sampled_from([0, 5, 100, 512]),
+       ties=st.booleans(), lens=st.booleans(), poison=st.booleans())
+def test_channel_range_is_an_order_statistic_of_the_deviations(seed, n, sample, ties, lens, poison):
+    """spec.channel_range against sorting each channel by hand: ties counted each, non-finite elements and keys past
+    kv_lens excluded; the largest deviation up to 64 tokens, the 8th from 449 (with 512 tokens: 7 passed over)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 2, n, 3, generator=g) * 3
+    if ties:
+        x = x.round()
+    if poison:
+        x[0, 1, torch.randint(0, n, (1,), generator=g), 1] = float("nan")
+        x[1, 0, :, 2] = float("inf")
+    centre = torch.randn(2, 2, 1, 3, generator=g).float()
+    kv_lens = torch.randint(0, n + 1, (2,), generator=g) if lens else None
+    got = spec.channel_range(x, centre, kv_lens, sample)
+    assert torch.equal(got, _range_by_sorting(x.float(), centre, kv_lens, sample))
+    assert torch.equal(spec.channel_range(x, 0.0, kv_lens, sample), _range_by_sorting(x.float(), 0.0, kv_lens, sample))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), outliers=st.integers(1, spec.RANGE_RANK - 1))
+def test_a_few_outlier_tokens_do_not_set_a_channel_range(seed, outliers):
+    """Fewer than RANGE_RANK outlier tokens among 512 (random elements far out, the FA3 paper's outlier mix) leave
+    every channel's range within its clean tokens' largest deviation: β is not set by an outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 2, 512, 16, generator=g)
+    clean_max = x.abs().amax(-2, keepdim=True)
+    rows = torch.randperm(512, generator=g)[:outliers]
+    x[:, :, rows] = 1e4 * torch.sign(torch.randn(1, 2, outliers, 16, generator=g))
+    assert (spec.channel_range(x, 0.0, None, 0) <= clean_max).all()
 
 
 def test_equalize_cuts_the_error_of_unbalanced_channels():

@@ -318,8 +318,8 @@ def _rope_balance_cuda(xq: torch.Tensor, q_tables: List[torch.Tensor], xk: torch
     _, q_ext = prep_triton.rope_partial_sums(xq, _table_args(q_tables, (*xq.shape[:3], d // 2)), _same_halves(q_tables),
                                              sample=sample, interleaved=interleaved, norm_weight=q_norm_weight,
                                              norm_eps=q_norm_eps, extremes=True, sums=False)
-    count = _sampled_count(n, sample)
-    k_mean, q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_sums, count)
+    k_mean, q_mult, k_mult = prep_triton.channel_balance(q_ext, k_ext, k_sums, _sampled_count(n, sample),
+                                                         _sampled_count(xq.shape[2], sample))
     return tuple(t.view(batch, hkv, 1, d) for t in (k_mean, q_mult, k_mult))
 
 

@@ -26,14 +26,15 @@ except ImportError:  # a torch without the switch: every launch goes through wra
     def is_wrap_triton_enabled() -> bool:
         return True
 
-from ..numerics.spec import BALANCE_LIMIT, THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK
+from ..numerics.spec import (BALANCE_LIMIT, RANGE_RANK, RANGE_TOKENS_PER_RANK, THREAD_GROUP_KEYS,
+                             THREAD_GROUPS_PER_BLOCK)
 
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
 # tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
-# μK's sum inside the balance launch: 8 splits of K's sample at a time, all D channels on one warp (512 sampled keys
-# are 8 splits: one step).
-BALANCE_CHUNK = 8
+# The balance launch: 8 splits at a time (μK's sums; the channel ranges' 64 candidates), all D channels a program, on 4
+# warps (512 sampled keys are 8 splits: one step).
+BALANCE_CHUNK, BALANCE_WARPS = 8, 4
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 
@@ -259,14 +260,15 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                      HALF: tl.constexpr, BLOCK: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
                      EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                      HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr, EXTREMES: tl.constexpr = False,
-                     SUMS: tl.constexpr = True):
+                     SUMS: tl.constexpr = True, RANK: tl.constexpr = 1):
     """out[bh, split, :] = Σ over the split's tokens of rope(x): each tile added element-wise into a [BLOCK, D]
     accumulator (no cross-thread step per tile), reduced over its rows once at the end (a fixed order:
     deterministic). SAMPLED: over the split's share of μK's COUNT samples instead (spec.mean_sample_positions, the
     same integer arithmetic: sample i ≥ 1 is key u·(N >> 15) + (u·(N mod 2^15) >> 15), u = i·20251 mod 2^15, where
-    N > COUNT, else key i − 1). EXTREMES: also ext[bh, split] = (max, min) per channel of the same tokens' finite
-    values (spec.channel_extremes; −inf / +inf where there are none). SUMS=False (with EXTREMES): the extremes alone,
-    nothing written to out."""
+    N > COUNT, else key i − 1). EXTREMES: also ext[bh, split] = per channel the RANK largest of the same tokens'
+    finite values, then the RANK largest of their negations (descending; −inf where there are fewer): what
+    spec.channel_range needs of them (_deviation_range). SUMS=False (with EXTREMES): those alone, nothing written to
+    out."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -274,10 +276,10 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     cols = tl.arange(0, HALF)
     acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
-    hi1 = tl.full([BLOCK, HALF], float("-inf"), tl.float32)
-    hi2 = tl.full([BLOCK, HALF], float("-inf"), tl.float32)
-    lo1 = tl.full([BLOCK, HALF], float("inf"), tl.float32)
-    lo2 = tl.full([BLOCK, HALF], float("inf"), tl.float32)
+    hi1 = tl.full([RANK, HALF], float("-inf"), tl.float32)
+    hi2 = tl.full([RANK, HALF], float("-inf"), tl.float32)
+    neg_lo1 = tl.full([RANK, HALF], float("-inf"), tl.float32)
+    neg_lo2 = tl.full([RANK, HALF], float("-inf"), tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
         if SAMPLED:  # spec.mean_sample_positions: key ⌊u·N / 2^15⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
@@ -296,20 +298,68 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
         if EXTREMES:
             keep1 = mask & (tl.abs(r1) < float("inf"))
             keep2 = mask & (tl.abs(r2) < float("inf"))
-            hi1 = tl.maximum(hi1, tl.where(keep1, r1, float("-inf")))
-            hi2 = tl.maximum(hi2, tl.where(keep2, r2, float("-inf")))
-            lo1 = tl.minimum(lo1, tl.where(keep1, r1, float("inf")))
-            lo2 = tl.minimum(lo2, tl.where(keep2, r2, float("inf")))
+            hi1 = _merge_top(hi1, tl.where(keep1, r1, float("-inf")), RANK)
+            hi2 = _merge_top(hi2, tl.where(keep2, r2, float("-inf")), RANK)
+            neg_lo1 = _merge_top(neg_lo1, tl.where(keep1, -r1, float("-inf")), RANK)
+            neg_lo2 = _merge_top(neg_lo2, tl.where(keep2, -r2, float("-inf")), RANK)
     if SUMS:
         base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
         tl.store(base + cols, tl.sum(acc1, axis=0))
         tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
-    if EXTREMES:  # [rows, splits, 2, D]: the maxima, then the minima
-        ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * HALF)
-        tl.store(ext + cols, tl.max(hi1, axis=0))
-        tl.store(ext + HALF + cols, tl.max(hi2, axis=0))
-        tl.store(ext + 2 * HALF + cols, tl.min(lo1, axis=0))
-        tl.store(ext + 3 * HALF + cols, tl.min(lo2, axis=0))
+    if EXTREMES:  # [rows, splits, 2, RANK, D]: the largest values, then the largest negations
+        ext = (ext_ptr + (bh * tl.num_programs(1) + split) * (4 * RANK * HALF)
+               + tl.arange(0, RANK)[:, None] * (2 * HALF) + cols[None, :])
+        tl.store(ext, hi1)
+        tl.store(ext + HALF, hi2)
+        tl.store(ext + 2 * RANK * HALF, neg_lo1)
+        tl.store(ext + 2 * RANK * HALF + HALF, neg_lo2)
+
+
+@triton.jit
+def _merge_top(top, x, RANK: tl.constexpr):
+    """The RANK largest of each column of top [RANK, C] and x [R, C] together — a multiset: a value present twice
+    counts twice —, descending, [RANK, C]: RANK rounds of taking the larger of the two maxima and removing one
+    occurrence of it (the first, by argmax), so ties and −inf padding are exact."""
+    top_rows = tl.arange(0, RANK)[:, None]
+    x_rows = tl.arange(0, x.shape[0])[:, None]
+    merged = tl.full(top.shape, float("-inf"), tl.float32)
+    for r in tl.static_range(RANK):
+        top_max = tl.max(top, axis=0)
+        x_max = tl.max(x, axis=0)
+        from_top = top_max >= x_max
+        merged = tl.where(top_rows == r, tl.maximum(top_max, x_max)[None, :], merged)
+        top = tl.where(from_top[None, :] & (top_rows == tl.argmax(top, axis=0)[None, :]), float("-inf"), top)
+        x = tl.where(~from_top[None, :] & (x_rows == tl.argmax(x, axis=0)[None, :]), float("-inf"), x)
+    return merged
+
+
+@triton.jit
+def _deviation_range(ext_ptr, head, SPLITS, centre, TOKENS, D: tl.constexpr, RANK: tl.constexpr,
+                     PER_RANK: tl.constexpr, CHUNK: tl.constexpr):
+    """spec.channel_range of one head over TOKENS tokens, fp32 [D], from its splits' candidates ext[head, split, 2,
+    RANK, D] (_rope_sum_kernel's EXTREMES): the m-th largest |x − centre|, m = min(finite count, RANK,
+    ⌈TOKENS / PER_RANK⌉) — the finite count capped at RANK is the candidates' (each split keeps up to RANK) —, is the
+    m-th largest of
+    the candidates' x − centre and centre − x, floored at 0 — a token among the m largest deviations above the
+    centre is among the RANK largest values of its split, one below it among the RANK smallest; a candidate on the
+    wrong side of the centre gives a term ≤ 0. Rounding is monotonic, so taking the m-th before or after the fp32
+    subtraction gives the same bits. CHUNK splits at a time."""
+    cols = tl.arange(0, D)
+    cand = tl.arange(0, CHUNK * RANK)
+    top = tl.full([RANK, D], float("-inf"), tl.float32)
+    finite = tl.zeros([D], dtype=tl.int32)
+    for first in range(0, SPLITS, CHUNK):
+        split = first + cand // RANK
+        mask = (split < SPLITS)[:, None]
+        base = ext_ptr + ((head * SPLITS + split) * (2 * RANK) + cand % RANK)[:, None] * D + cols[None, :]
+        hi = tl.load(base, mask=mask, other=float("-inf"))
+        neg_lo = tl.load(base + RANK * D, mask=mask, other=float("-inf"))
+        finite += tl.sum((hi > float("-inf")).to(tl.int32), axis=0)
+        top = _merge_top(top, hi - centre, RANK)
+        top = _merge_top(top, neg_lo + centre, RANK)
+    rank = tl.minimum(finite, tl.minimum((TOKENS + PER_RANK - 1) // PER_RANK, RANK))
+    picked = tl.max(tl.where(tl.arange(0, RANK)[:, None] == rank[None, :] - 1, top, float("-inf")), axis=0)
+    return tl.where(rank > 0, tl.maximum(picked, 0.0), float("-inf"))
 
 
 @triton.jit
@@ -431,11 +481,13 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
 
 @triton.jit
 def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROUP, Q_SPLITS, K_SPLITS,
-                    COUNT, D: tl.constexpr, SMOOTH: tl.constexpr, CHUNK: tl.constexpr, LIMIT: tl.constexpr):
-    """μK and spec.channel_balance for KV head row = b·Hkv + h. SMOOTH: μK = (Σ of its K_SPLITS partial sums) / COUNT,
+                    COUNT, Q_COUNT, D: tl.constexpr, SMOOTH: tl.constexpr, CHUNK: tl.constexpr,
+                    LIMIT: tl.constexpr, RANK: tl.constexpr, PER_RANK: tl.constexpr):
+    """μK and spec.channel_balance for KV head row = b·Hkv + h, K's sample COUNT keys, Q's Q_COUNT queries. SMOOTH: μK
+    = (Σ of its K_SPLITS partial sums) / COUNT,
     CHUNK splits at a time in order (a fixed order, as _splits_reduce_kernel's), stored to mean; else 0 stored. Then
-    the extremes' partials [rows, splits, 2, D] of its GROUP query heads (rows row·GROUP + g) and of its keys reduced,
-    the ranges (K's about μK), IEEE quotients and square roots."""
+    the channel ranges of its GROUP query heads (rows row·GROUP + g; about 0, the largest of them) and of its keys
+    (about μK) from their splits' candidates (_deviation_range), IEEE quotients and square roots."""
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     mu = tl.zeros([D], dtype=tl.float32)
@@ -447,20 +499,11 @@ def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mul
             mu += tl.sum(x, axis=0)
         mu = mu / COUNT
     tl.store(mean_ptr + row * D + cols, mu)
-    q_hi = tl.full([D], float("-inf"), tl.float32)
-    q_lo = tl.full([D], float("inf"), tl.float32)
-    for i in range(0, GROUP * Q_SPLITS):
-        part = q_ext_ptr + (row * GROUP * Q_SPLITS + i) * 2 * D
-        q_hi = tl.maximum(q_hi, tl.load(part + cols))
-        q_lo = tl.minimum(q_lo, tl.load(part + D + cols))
-    k_hi = tl.full([D], float("-inf"), tl.float32)
-    k_lo = tl.full([D], float("inf"), tl.float32)
-    for i in range(0, K_SPLITS):
-        part = k_ext_ptr + (row * K_SPLITS + i) * 2 * D
-        k_hi = tl.maximum(k_hi, tl.load(part + cols))
-        k_lo = tl.minimum(k_lo, tl.load(part + D + cols))
-    r_q = tl.maximum(q_hi, -q_lo)
-    r_k = tl.maximum(k_hi - mu, mu - k_lo)
+    r_q = tl.full([D], float("-inf"), tl.float32)
+    for g in range(0, GROUP):
+        r_q = tl.maximum(r_q, _deviation_range(q_ext_ptr, row * GROUP + g, Q_SPLITS, 0.0, Q_COUNT, D, RANK,
+                                               PER_RANK, CHUNK))
+    r_k = _deviation_range(k_ext_ptr, row, K_SPLITS, mu, COUNT, D, RANK, PER_RANK, CHUNK)
     ok = (r_q > 0) & (r_k > 0) & (r_q < float("inf")) & (r_k < float("inf"))
     r_q = tl.where(ok, r_q, 1.0)
     r_k = tl.where(ok, r_k, 1.0)
@@ -622,11 +665,12 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
     """fp32 [B·H, splits, D]: Σ of rope(x) over each split's tokens — or, with sample S > 0, over its share of the
     keys spec.mean_sample_positions(N, S) takes. interleaved / norm_weight / norm_eps: the producer
     (prep.rope_halves); D in the halves' order. ``extremes``: (those sums, or None with ``sums=False``; fp32 [B·H,
-    splits, 2, D] the max and min of the same tokens' finite values)."""
+    splits, 2, RANK, D]: per channel the RANK largest of the same tokens' finite values, then of their negations)."""
     batch, heads, n, d = x.shape
     tiling = heuristics("sum", d, sampled=sample > 0)
     splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
-    ext = torch.empty((batch * heads, splits, 2, d), dtype=torch.float32, device=x.device) if extremes else None
+    ext = (torch.empty((batch * heads, splits, 2, RANGE_RANK, d), dtype=torch.float32, device=x.device) if extremes
+           else None)
     partial = torch.empty((batch * heads, splits, d), dtype=torch.float32, device=x.device) if sums else None
     producer, flags = _producer_args(x, table_args, interleaved, norm_weight, norm_eps)
     table_args, rotary = _tables_or_none(x, table_args)
@@ -634,21 +678,21 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
         *_x_args(x, interleaved), *table_args, *producer, ext if partial is None else partial,
         partial if ext is None else ext, heads, n, tiling.tiles, sample, HALF=d // 2, BLOCK=tiling.block,
         SAME_HALVES=same_halves, SAMPLED=sample > 0, **flags, ROTARY=rotary, EXTREMES=extremes, SUMS=sums,
-        num_warps=tiling.warps)
+        RANK=RANGE_RANK, num_warps=tiling.warps)
     return (partial, ext) if extremes else partial
 
 
-def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_sums: Optional[torch.Tensor], count):
-    """μK and spec.channel_balance in one launch, from the extremes' partials of q ([B·Hq, splits, 2, D]) and k
-    ([B·Hkv, splits', 2, D]) and K's partial sums ([B·Hkv, splits', D], or None: no smoothing, μK = 0) over ``count``
-    keys: (μK, β, 1/β), fp32 [B·Hkv, D] each."""
+def channel_balance(q_ext: torch.Tensor, k_ext: torch.Tensor, k_sums: Optional[torch.Tensor], count, q_count):
+    """μK and spec.channel_balance in one launch, from the extremes' candidates of q ([B·Hq, splits, 2, RANK, D]) and
+    k ([B·Hkv, splits', 2, RANK, D]) and K's partial sums ([B·Hkv, splits', D], or None: no smoothing, μK = 0), over
+    ``count`` sampled keys and ``q_count`` sampled queries: (μK, β, 1/β), fp32 [B·Hkv, D] each."""
     rows, splits, d = k_ext.shape[0], k_ext.shape[1], k_ext.shape[-1]
     k_mean = torch.empty((rows, d), dtype=torch.float32, device=k_ext.device)
     q_mult, k_mult = torch.empty_like(k_mean), torch.empty_like(k_mean)
     _launcher(_balance_kernel, (rows,))(q_ext, k_ext, k_ext if k_sums is None else k_sums, k_mean, q_mult, k_mult,
-                                        q_ext.shape[0] // rows, q_ext.shape[1], splits, count, D=d,
+                                        q_ext.shape[0] // rows, q_ext.shape[1], splits, count, q_count, D=d,
                                         SMOOTH=k_sums is not None, CHUNK=BALANCE_CHUNK, LIMIT=BALANCE_LIMIT,
-                                        num_warps=1)
+                                        RANK=RANGE_RANK, PER_RANK=RANGE_TOKENS_PER_RANK, num_warps=BALANCE_WARPS)
     return k_mean, q_mult, k_mult
 
 

@@ -6,7 +6,8 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
 2. Smooth Q (optional): μQ = mean of q over each group of q_block tokens; q̃ = q − μQ; ΔS_j = μQ·k̃_j is added
    to the scores in the kernel.
 2'. Equalize (``equalize_qk``, the default): q̃ ← q̃·β, k̃ ← k̃/β per KV head and channel, β = √(range of k̃ / range
-   of q) over a sample of tokens (``channel_balance``) — the scores are unchanged, the two operands' ranges alike.
+   of q), a range the 8th largest deviation over a sample of tokens (``channel_range``, ``channel_balance``) — the
+   scores are unchanged, the two operands' ranges alike.
 3. Quantize q̃, k̃ symmetrically: δ = amax|x| over a group / max_level, x̂ = clamp(rint(x·fl(1/δ))). Groups per
    token, per_thread (the sm90 accumulator's key groups) or per_block. s·log2(e) is folded into δQ.
 4. S = (q̂·k̂ᵀ exact in int32)·δQ·δK + ΔS, fp32, base 2. Online softmax: P̃ = exp2(S − m) ∈ (0, 1].
@@ -361,38 +362,52 @@ def _sampled_token_mean(x: torch.Tensor, kv_lens: Optional[torch.Tensor], sample
     return rows.sum(dim=-2, keepdim=True) / count.view(-1, 1, 1, 1)
 
 
-def channel_extremes(x: torch.Tensor, kv_lens: Optional[torch.Tensor] = None, sample: int = 0):
-    """(max, min), fp32 [B,H,1,D] each, of x's finite elements per channel over its tokens — each batch's valid keys
-    with kv_lens; with ``sample`` S > 0 the tokens ``mean_sample_positions`` picks, as ``token_mean`` —; (−∞, +∞)
-    where there are none."""
+# equalize_qk's channel range (channel_range): the m-th largest deviation over the sample, m = ⌈tokens / 64⌉ up to 8 —
+# the top 1/64 of the tokens passed over (7 of 512), the largest itself below 65 tokens
+RANGE_RANK, RANGE_TOKENS_PER_RANK = 8, 64
+
+
+def channel_range(x: torch.Tensor, centre, kv_lens: Optional[torch.Tensor] = None, sample: int = 0) -> torch.Tensor:
+    """fp32 [B,H,1,D]: per channel, the m-th largest |x − centre| (fp32 difference) over x's finite elements, m =
+    min(RANGE_RANK, ⌈T / RANGE_TOKENS_PER_RANK⌉, their count), T the tokens looked at — x's tokens, each batch's valid
+    keys with kv_lens, with ``sample`` S > 0 the tokens ``mean_sample_positions`` picks (as ``token_mean``) —; −∞
+    where there is none. ``centre``: 0 or a [B,H,1,D] tensor (μK). Not the largest deviation: a few outlier tokens
+    in the sample (elements far out, not a channel that is large throughout) do not set the channel's scale."""
     b, h, n, d = x.shape
     if statically_known_true(n == 0):  # no token to index
-        none = x.new_full((b, h, 1, d), math.inf, dtype=torch.float32)
-        return -none, none
+        return x.new_full((b, h, 1, d), -math.inf, dtype=torch.float32)
     if sample:
-        rows, keep, _ = _sampled_rows(x, kv_lens, sample)
+        rows, looked, lens = _sampled_rows(x, kv_lens, sample)
+        tokens = lens.clamp(max=sample)
+    elif kv_lens is None:
+        rows, looked = x.float(), torch.ones((1, 1, n, 1), dtype=torch.bool, device=x.device)
+        tokens = torch.full((1,), n, dtype=torch.int64, device=x.device)
     else:
-        rows = x.float()
-        keep = valid_key_mask(kv_lens, n)[:, None, :, None] if kv_lens is not None else torch.isfinite(rows)
-    keep = keep & torch.isfinite(rows)
-    return (torch.where(keep, rows, -math.inf).amax(dim=-2, keepdim=True),
-            torch.where(keep, rows, math.inf).amin(dim=-2, keepdim=True))
+        rows, looked = x.float(), valid_key_mask(kv_lens, n)[:, None, :, None]
+        tokens = kv_lens.to(torch.int64).clamp(0, n)
+    keep = looked & torch.isfinite(rows)
+    deviation = torch.where(keep, (rows - centre).abs(), -math.inf)
+    top = deviation.topk(min(RANGE_RANK, deviation.shape[-2]), dim=-2).values  # descending, the kept first
+    # the m-th largest, or the smallest kept where fewer than m are: the least of the first m kept (no count of them)
+    per_rank = (tokens + RANGE_TOKENS_PER_RANK - 1) // RANGE_TOKENS_PER_RANK
+    first = torch.arange(top.shape[-2], device=x.device)[:, None] < per_rank.view(-1, 1, 1, 1)
+    candidate = first & (top > -math.inf)
+    least = torch.where(candidate, top, math.inf).amin(dim=-2, keepdim=True)
+    return torch.where(candidate.any(dim=-2, keepdim=True), least, -math.inf)
 
 
 BALANCE_LIMIT = 2.0 ** 64  # channel_balance's ratio of ranges is clamped into [1/limit, limit]
 
 
-def channel_balance(q_max, q_min, k_max, k_min, k_mean) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``Scheme.equalize_qk``'s multipliers (β, 1/β), fp32 [B,Hkv,1,D] each, from ``channel_extremes`` of q [B,Hq,1,D]
-    and of k [B,Hkv,1,D] and μK [B,Hkv,1,D] (zeros without K smoothing). Q's range r_Q = max(max, −min), the largest
-    over the query heads of each KV head (they share its K̂); K's r_K = max(max − μK, μK − min), the range of the
-    smoothed keys; β = √(r_K / r_Q) and 1/β = √(r_Q / r_K), each an IEEE division and square root, the ratio
-    clamped into [2⁻⁶⁴, 2⁶⁴]. Both 1 for a channel where either range is not positive and finite. (q·β)·(k̃/β) is
-    q·k̃ up to two roundings; amax(q·β) and amax(k̃/β) are both √(r_Q·r_K): the channel with a large K range and a
-    small Q range (or the reverse) no longer sets one operand's scale while its other channels quantize coarsely."""
-    hkv = k_max.shape[1]
-    r_q = torch.maximum(q_max, -q_min).unflatten(1, (hkv, -1)).amax(dim=2)
-    r_k = torch.maximum(k_max - k_mean, k_mean - k_min)
+def channel_balance(r_q, r_k) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``Scheme.equalize_qk``'s multipliers (β, 1/β), fp32 [B,Hkv,1,D] each, from the ``channel_range`` of q
+    [B,Hq,1,D] (about 0) and of k [B,Hkv,1,D] (about μK: the smoothed keys). Q's range is the largest over the query
+    heads of each KV head (they share its K̂); β = √(r_K / r_Q) and 1/β = √(r_Q / r_K), each an IEEE division and
+    square root, the ratio clamped into [2⁻⁶⁴, 2⁶⁴]. Both 1 for a channel where either range is not positive and
+    finite. (q·β)·(k̃/β) is q·k̃ up to two roundings, and the two operands' ranges are both √(r_Q·r_K): the channel
+    with a large K range and a small Q range (or the reverse) no longer sets one operand's scale while its other
+    channels quantize coarsely."""
+    r_q = r_q.unflatten(1, (r_k.shape[1], -1)).amax(dim=2)
     ok = (r_q > 0) & (r_k > 0) & torch.isfinite(r_q) & torch.isfinite(r_k)
     r_q, r_k = torch.where(ok, r_q, 1.0), torch.where(ok, r_k, 1.0)
     return _rounded_sqrt(r_k / r_q), _rounded_sqrt(r_q / r_k)
@@ -405,8 +420,9 @@ def _rounded_sqrt(ratio: torch.Tensor) -> torch.Tensor:
 
 
 def qk_channel_balance(q, k, k_mean, kv_lens, sample: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``channel_balance`` of q and k (``channel_extremes`` over ``sample`` tokens): (β, 1/β) [B,Hkv,1,D]."""
-    return channel_balance(*channel_extremes(q, None, sample), *channel_extremes(k, kv_lens, sample), k_mean)
+    """``channel_balance`` of q's range about 0 and k's about μK (``channel_range`` over ``sample`` tokens): (β, 1/β)
+    [B,Hkv,1,D]."""
+    return channel_balance(channel_range(q, 0.0, None, sample), channel_range(k, k_mean, kv_lens, sample))
 
 
 def per_query_head(x: torch.Tensor, hq: int) -> torch.Tensor:
