@@ -64,7 +64,8 @@ def sage_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     if varlen.packed_problem(q, k, v, causal, config, torch.is_grad_enabled()) is None:
         counters["varlen_packed"] += 1
         cu_q, cu_k = (_checked_bounds(*bound, q.device) for bound in bounds)
-        out, lse = torch.ops.sage.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_k, causal, scale, config.op_key())
+        out, lse = torch.ops.sage.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                                 config.op_key())
         return (out, lse) if return_lse else out
     counters["varlen_per_sequence"] += 1
     lens_q, lens_k = (_host_lengths(*bound) for bound in bounds)

@@ -11,9 +11,7 @@ from sage_compile import SageConfig, sage_attention
 from sage_compile.ops import varlen  # noqa: F401  (varlen registers the op)
 from sage_compile.backend import sage_backend
 
-# a document mask runs as packed (varlen) attention, which does not equalize Q and K (varlen.packed_scheme): the
-# per-document references take the same scheme
-CONFIG = SageConfig(min_seq_len=0, inner_backend="eager", equalize_qk=False)
+CONFIG = SageConfig(min_seq_len=0, inner_backend="eager")
 OP = torch.ops.sage.document_attention.default
 
 

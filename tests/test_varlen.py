@@ -15,12 +15,11 @@ from sage_compile import SageConfig, api, sage_attention, sage_attention_varlen
 from sage_compile.numerics import spec
 from sage_compile.ops import varlen
 
-# the packed prep runs without equalize_qk (varlen.packed_scheme): compared with sage_attention under the same scheme
-CONFIG = SageConfig(min_seq_len=0, fallback="error", equalize_qk=False)
+CONFIG = SageConfig(min_seq_len=0, fallback="error")
 LSE_ATOL = 1e-5
 SCHEMES = ({}, {"k_granularity": "per_thread"}, {"q_granularity": "per_block", "k_granularity": "per_block",
                                                  "q_block": 32, "k_block": 16},
-           {"smooth_v": True}, {"k_mean_sample": 0}, {"k_mean_sample": 8}, {"pv": "fp16"})
+           {"smooth_v": True}, {"k_mean_sample": 0}, {"k_mean_sample": 8}, {"pv": "fp16"}, {"equalize_qk": False})
 
 
 def _packed(lens, heads, d, seed, bias=0.0):
@@ -71,11 +70,11 @@ def test_each_sequence_is_its_own_attention(lens, causal, gqa, d, scheme, seed):
 def test_packed_prep_quantizes_each_sequence_as_the_spec(scheme):
     """prepare_packed's operands, sequence by sequence, are spec.prepare's of that sequence alone: Q, δQ, V̂, δV exact;
     μK summed in another order, so K̂ may differ by one level where k − μK sits at a rounding midpoint."""
-    quant = varlen.packed_scheme(spec.Scheme(**scheme))
+    quant = spec.Scheme(**scheme)
     lens = [70, 0, 130, 5]
     q, k, v = _packed(lens, 4, 64, 1), _packed(lens, 2, 64, 2, bias=1.5), _packed(lens, 2, 64, 3)
     cu = _cu(lens)
-    p = varlen.prepare_packed(q, k, v, cu, cu, 0.125, quant, want_lse=True)
+    p = varlen.prepare_packed(q, k, v, cu, cu, max(lens), max(lens), 0.125, quant, want_lse=True)
     bounds = cu.tolist()
     for s in range(len(lens)):
         a, b = bounds[s:s + 2]
@@ -130,15 +129,15 @@ def test_the_ops_pass_opcheck_and_compile_without_graph_breaks():
     q, k, v = _packed(lens_q, 4, 64, 10), _packed(lens_k, 2, 64, 11), _packed(lens_k, 2, 64, 12)
     fp16_pv = CONFIG.replace(scheme=CONFIG.scheme.replace(pv="fp16"))  # opcheck's schema test cannot compare fp8
     for config, utils in ((fp16_pv, "ALL"), (CONFIG, ("test_faketensor", "test_aot_dispatch_dynamic"))):
-        args = (q, k, v, _cu(lens_q), _cu(lens_k), 40, spec.CAUSAL_BOTTOM_RIGHT, None, config.op_key())
+        args = (q, k, v, _cu(lens_q), _cu(lens_k), 33, 40, spec.CAUSAL_BOTTOM_RIGHT, None, config.op_key())
         torch.library.opcheck(torch.ops.sage.attention_varlen.default, args, test_utils=utils)
-    p = varlen.prepare_packed(q, k, v, _cu(lens_q), _cu(lens_k), 0.125, fp16_pv.scheme)
+    p = varlen.prepare_packed(q, k, v, _cu(lens_q), _cu(lens_k), 33, 40, 0.125, fp16_pv.scheme)
     torch.library.opcheck(torch.ops.sage.quantized_attention_varlen.default,
                           (p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.key_first, _cu(lens_q), _cu(lens_k),
                            40, 0, 64, torch.bfloat16, fp16_pv.scheme.encode()))
 
     def attend(q, k, v, cu_q, cu_k):
-        return torch.ops.sage.attention_varlen(q, k, v, cu_q, cu_k, 64, 2, None, CONFIG.op_key())[0]
+        return torch.ops.sage.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, 2, None, CONFIG.op_key())[0]
 
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, dynamic=True, backend="aot_eager")
@@ -188,13 +187,19 @@ def test_flash_attention_keywords_switch_by_import():
         sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, scale=0.1, softmax_scale=0.2)
 
 
-def test_the_packed_path_says_it_does_not_equalize():
-    """The default scheme equalizes Q and K (equalize_qk); the packed prep does not — it runs the scheme without it
-    and warns once, never silently: the result is sage_attention's of each sequence with equalize_qk=False."""
-    lens = [40, 7]
-    q, k, v = _packed(lens, 2, 64, 21), _packed(lens, 2, 64, 22), _packed(lens, 2, 64, 23)
-    assert varlen.packed_scheme(spec.Scheme(equalize_qk=False)) == spec.Scheme(equalize_qk=False)
-    varlen.warn_once.__globals__["_warned"].clear()
-    with pytest.warns(UserWarning, match="without equalize_qk"):
-        default = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 40, 40, config=SageConfig(min_seq_len=0))
-    assert torch.equal(default, sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 40, 40, config=CONFIG))
+def test_the_packed_path_equalizes_each_sequence_on_its_own():
+    """The default scheme equalizes Q and K (equalize_qk) with β per sequence: on keys with a few large channels the
+    packed result is each sequence's default sage_attention bit for bit — β taken from that sequence alone, so a
+    sequence whose channels differ changes no other's — and not the equalize_qk=False result."""
+    lens = [300, 7, 90]
+    q, k, v = _packed(lens, 4, 64, 21), _packed(lens, 2, 64, 22, bias=0.3), _packed(lens, 2, 64, 23)
+    k[:300, :, 3] *= 40  # the first sequence's keys have a large channel, the others' do not
+    default = SageConfig(min_seq_len=0)
+    packed = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 300, 300, config=default)
+    cu = _cu(lens).tolist()
+    for s in range(len(lens)):
+        one = [t[cu[s]:cu[s + 1]].transpose(0, 1)[None] for t in (q, k, v)]
+        ref = sage_attention(*one, enable_gqa=True, config=default)
+        assert torch.equal(packed[cu[s]:cu[s + 1]], ref[0].transpose(0, 1)), s
+    plain = sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 300, 300, config=default.replace(equalize_qk=False))
+    assert not torch.equal(packed[:300], plain[:300])

@@ -59,13 +59,14 @@ def _segment_reduce_kernel(x_ptr, sxt, sxh, cu_ptr, out_ptr, H, SPLITS, COUNT,
 
 
 @triton.jit
-def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr, scale_ptr, shift_ptr, cu_ptr,
-                            first_ptr, T, SLOTS, H, GQA, shift_scale, D: tl.constexpr, BLOCK: tl.constexpr,
+def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, chan_ptr, out_ptr, scale_ptr, shift_ptr,
+                            cu_ptr, first_ptr, T, SLOTS, H, GQA, shift_scale, D: tl.constexpr, BLOCK: tl.constexpr,
                             HAS_MEAN: tl.constexpr, SHIFT: tl.constexpr, PLACED: tl.constexpr,
-                            OUT_SCALE: tl.constexpr):
-    """out[h, t] = int8 x[t, h] − μ[seq(t), h] per token, scale[h, t] = δ·OUT_SCALE (prep_triton's quantize); PLACED (K):
-    at slot first[s] + t − cu[s] of SLOTS instead of t. SHIFT (Q): shift[h, t] = shift_scale·x[t, h]·μK[seq(t), h //
-    GQA], the term that turns the kernel's LSE into SDPA's."""
+                            OUT_SCALE: tl.constexpr, CHANNEL: tl.constexpr):
+    """out[h, t] = int8 (x[t, h] − μ[seq(t), h])·c[seq(t), h // GQA] per token (CHANNEL: equalize_qk's β or 1/β, else
+    c = 1), scale[h, t] = δ·OUT_SCALE (prep_triton's quantize); PLACED (K): at slot first[s] + t − cu[s] of SLOTS
+    instead of t. SHIFT (Q): shift[h, t] = shift_scale·x[t, h]·μK[seq(t), h // GQA] (x before c), the term that turns
+    the kernel's LSE into SDPA's."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     rows = tile * BLOCK + tl.arange(0, BLOCK)
@@ -73,10 +74,16 @@ def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr,
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxt + h * sxh + cols[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
-    if HAS_MEAN or SHIFT or PLACED:
+    if HAS_MEAN or SHIFT or PLACED or CHANNEL:
         seq = tl.load(seq_ptr + rows, mask=ok, other=0).to(tl.int64)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + (seq * H + h)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+    if SHIFT:  # (never PLACED)
+        mu = tl.load(mu_ptr + (seq * (H // GQA) + h // GQA)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
+        tl.store(shift_ptr + h.to(tl.int64) * T + rows, tl.sum(x * mu, axis=1) * shift_scale, mask=ok)
+    if CHANNEL:
+        x = _mul_rn(x, tl.load(chan_ptr + (seq * (H // GQA) + h // GQA)[:, None] * D + cols[None, :], mask=ok[:, None],
+                               other=1.0))
     amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)  # a NaN counts +inf: δ NaN (spec)
     delta, inv = _int8_scales(amax)
     delta = tl.where(amax < float("inf"), delta, float("nan"))
@@ -87,15 +94,14 @@ def _packed_quantize_kernel(x_ptr, sxt, sxh, seq_ptr, mean_ptr, mu_ptr, out_ptr,
         at = h.to(tl.int64) * T + rows
     tl.store(out_ptr + at[:, None] * D + cols[None, :], _quantized_int8(x, inv[:, None]), mask=ok[:, None])
     tl.store(scale_ptr + at, _mul_rn(delta, tl.full([BLOCK], OUT_SCALE, tl.float32)), mask=ok)
-    if SHIFT:  # (never PLACED)
-        mu = tl.load(mu_ptr + (seq * (H // GQA) + h // GQA)[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0)
-        tl.store(shift_ptr + at, tl.sum(x * mu, axis=1) * shift_scale, mask=ok)
 
 
 @triton.jit
-def _packed_group_quantize_kernel(x_ptr, sxt, sxh, mean_ptr, out_ptr, scale_ptr, cu_ptr, first_ptr, cu_tile_ptr,
-                                  n_seq, SLOTS, H, D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr):
-    """K with spec's per_thread groups, each sequence's groups counted from its first key: a program quantizes one
+def _packed_group_quantize_kernel(x_ptr, sxt, sxh, mean_ptr, chan_ptr, out_ptr, scale_ptr, cu_ptr, first_ptr,
+                                  cu_tile_ptr, n_seq, SLOTS, H, D: tl.constexpr, BLOCK: tl.constexpr,
+                                  HAS_MEAN: tl.constexpr, CHANNEL: tl.constexpr):
+    """K with spec's per_thread groups (times 1/β[seq, h] per channel with CHANNEL, as _packed_quantize_kernel), each
+    sequence's groups counted from its first key: a program quantizes one
     group — keys 128b + 16G + 4t + j (G < 8, j < 4) of the sequence, t = tile % 4, b = tile // 4 — found by a binary
     search over cu_tile (each sequence's first tile); out/scale at slot first[s] + key, as ``PLACED``."""
     seq, tile = _varlen_block(cu_tile_ptr, n_seq, tl.program_id(0))
@@ -112,6 +118,8 @@ def _packed_group_quantize_kernel(x_ptr, sxt, sxh, mean_ptr, out_ptr, scale_ptr,
                 other=0.0).to(tl.float32)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + (seq * H + h) * D + cols)[None, :]
+    if CHANNEL:
+        x = _mul_rn(x, tl.load(chan_ptr + (seq * H + h) * D + cols)[None, :])
     amax = tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1)  # a NaN counts +inf: δ NaN (spec)
     amax = tl.zeros([BLOCK], dtype=tl.float32) + tl.max(tl.where(ok, amax, 0.0), axis=0)  # the group's amax
     delta, inv = _int8_scales(amax)
@@ -164,10 +172,11 @@ def segment_reduce(x: torch.Tensor, cu: torch.Tensor, longest: int, amax: bool =
 
 
 def quantize(x: torch.Tensor, seq: torch.Tensor, mean, out_scale: float, mu_k=None, shift_scale: float = 0.0,
-             placed=None):
-    """(int8 [1,H,T,D], δ·out_scale [1,H,T], shift [1,H,T] or None): per-token int8 of x − mean[seq] (``mean`` [S,H,D]
-    or None); with ``mu_k`` [S,Hkv,D], shift_scale·x·μK[seq] per row (Q's LSE correction). ``placed`` = (cu, first,
-    slots): token t of sequence s in slot first[s] + t − cu[s] of ``slots`` (zeros elsewhere) instead of row t."""
+             placed=None, channel=None):
+    """(int8 [1,H,T,D], δ·out_scale [1,H,T], shift [1,H,T] or None): per-token int8 of (x − mean[seq])·channel[seq]
+    (``mean`` [S,H,D] or None; ``channel`` [S,Hkv,D], a row for each H/Hkv heads, or None); with ``mu_k`` [S,Hkv,D],
+    shift_scale·x·μK[seq] per row (Q's LSE correction). ``placed`` = (cu, first, slots): token t of sequence s in slot
+    first[s] + t − cu[s] of ``slots`` (zeros elsewhere) instead of row t. No shift with ``placed``."""
     _check_packed(x)
     total, heads, d = x.shape
     slots = placed[2] if placed is not None else total
@@ -177,18 +186,21 @@ def quantize(x: torch.Tensor, seq: torch.Tensor, mean, out_scale: float, mu_k=No
     shift = torch.empty((1, heads, total), dtype=torch.float32, device=x.device) if mu_k is not None else None
     cu, first = placed[:2] if placed is not None else (seq, seq)
     if total:
-        groups = heads // mu_k.shape[1] if mu_k is not None else 1
+        rows_of = mu_k if mu_k is not None else channel
+        groups = heads // rows_of.shape[1] if rows_of is not None else 1
         _packed_quantize_kernel[(triton.cdiv(total, QUANTIZE_BLOCK), heads)](
             x, x.stride(0), x.stride(1), seq, mean if mean is not None else scale, mu_k if mu_k is not None else scale,
-            out, scale, shift if shift is not None else scale, cu, first, total, slots, heads, groups,
-            float(shift_scale), D=d, BLOCK=QUANTIZE_BLOCK, HAS_MEAN=mean is not None, SHIFT=mu_k is not None,
-            PLACED=placed is not None, OUT_SCALE=float(out_scale), num_warps=4)
+            channel.contiguous() if channel is not None else scale, out, scale,
+            shift if shift is not None else scale, cu, first, total, slots, heads, groups, float(shift_scale), D=d,
+            BLOCK=QUANTIZE_BLOCK, HAS_MEAN=mean is not None, SHIFT=mu_k is not None, PLACED=placed is not None,
+            OUT_SCALE=float(out_scale), CHANNEL=channel is not None, num_warps=4)
     return out, scale, shift
 
 
-def quantize_k_groups(k: torch.Tensor, mean, cu: torch.Tensor, first: torch.Tensor, slots: int):
+def quantize_k_groups(k: torch.Tensor, mean, cu: torch.Tensor, first: torch.Tensor, slots: int, channel=None):
     """(int8 [1,Hkv,slots,D], δK [1,Hkv,slots]) with spec's per_thread groups of each sequence (counted from its first
-    key), sequence s's keys from slot first[s], zeros elsewhere: ``quantize(..., placed=...)`` for per_thread K."""
+    key), sequence s's keys from slot first[s], zeros elsewhere: ``quantize(..., placed=..., channel=...)`` for
+    per_thread K."""
     _check_packed(k)
     total, heads, d = k.shape
     n_seq = cu.shape[0] - 1
@@ -200,8 +212,9 @@ def quantize_k_groups(k: torch.Tensor, mean, cu: torch.Tensor, first: torch.Tens
     bound = (triton.cdiv(total, THREAD_GROUP_KEYS) + n_seq) * THREAD_GROUPS_PER_BLOCK  # ≥ Σ tiles, known without a sync
     if total and n_seq:
         _packed_group_quantize_kernel[(bound, heads)](
-            k, k.stride(0), k.stride(1), mean if mean is not None else scale, out, scale, cu, first, cu_tile, n_seq,
-            slots, heads, D=d, BLOCK=THREAD_GROUP_TILE, HAS_MEAN=mean is not None, num_warps=2)
+            k, k.stride(0), k.stride(1), mean if mean is not None else scale,
+            channel.contiguous() if channel is not None else scale, out, scale, cu, first, cu_tile, n_seq, slots, heads,
+            D=d, BLOCK=THREAD_GROUP_TILE, HAS_MEAN=mean is not None, CHANNEL=channel is not None, num_warps=2)
     return out, scale
 
 

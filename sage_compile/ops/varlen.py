@@ -11,13 +11,14 @@ sequence by sequence without padding any of them to the longest.
 * ``sage::document_attention`` — opaque: SDPA under a document mask as one varlen run (placed by
   passes/document_mask.py).
 
-The packed prep does not equalize Q and K (``packed_scheme`` turns ``equalize_qk`` off, and says so once).
-Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``scheme_problem``) and inputs that
+``equalize_qk``'s β is per sequence (``packed_channel_balance``: each sequence's sampled rows gathered, at most
+min(k_mean_sample, its longest) per sequence). Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``scheme_problem``) and inputs that
 require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -25,7 +26,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels import KernelArgs, dispatch, prep
 from ..numerics import spec
-from ..numerics.notices import warn_once
 from ..numerics.scheme import THREAD_GROUP_KEYS, THREAD_GROUPS_PER_BLOCK, Scheme
 from ..policy.config import SageConfig
 from ..policy.support import AttentionCall, runs_eagerly, unsupported_reason
@@ -39,17 +39,6 @@ def scheme_problem(scheme: Scheme) -> Optional[str]:
     if scheme.qk_type.channel_block is not None:
         return f"qk={scheme.qk!r} scales per channel block, not packed"
     return None
-
-
-def packed_scheme(scheme: Scheme) -> Scheme:
-    """The scheme the packed prep runs: ``scheme`` without ``equalize_qk`` (β per sequence is not packed yet), said
-    once."""
-    if not scheme.equalize_qk:
-        return scheme
-    warn_once("varlen", "equalize_qk", "sage_compile: packed (varlen) attention quantizes Q and K without equalize_qk "
-              "(its channel balance per sequence is not implemented in the packed prep): per-token scales only, as "
-              "SageConfig(equalize_qk=False) — less accurate on models with unbalanced Q/K channels (docs/configuration.md)")
-    return scheme.replace(equalize_qk=False)
 
 
 @dataclass
@@ -69,8 +58,10 @@ def token_sequence(cu: torch.Tensor, total: int) -> Tuple[torch.Tensor, torch.Te
     return seq, token - cu.to(torch.int64)[seq]
 
 
-def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: bool = False) -> PackedPrepared:
-    """q [Tq,Hq,D], k and v [Tk,Hkv,D] packed; cu_q, cu_k [S+1]. ``spec.prepare`` applied to each sequence alone."""
+def prepare_packed(q, k, v, cu_q, cu_k, longest_q, longest_k, scale: float, quant: Scheme,
+                   want_lse: bool = False) -> PackedPrepared:
+    """q [Tq,Hq,D], k and v [Tk,Hkv,D] packed; cu_q, cu_k [S+1]; no sequence longer than longest_q / longest_k.
+    ``spec.prepare`` applied to each sequence alone."""
     d = q.shape[-1]
     pad = spec.padded_head_dim(d) - d
     levels = quant.qk_type.max_level
@@ -82,6 +73,15 @@ def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: b
         k_mean = torch.zeros_like(k_mean)
     k_smooth = k.float() - k_mean[seq_k]
     qf = q.float()
+    lse_shift = None
+    if want_lse:  # from the unequalized q (spec.prepare)
+        groups = q.shape[1] // k.shape[1]
+        mu = k_mean[seq_q].repeat_interleave(groups, dim=1)  # [Tq,Hq,D]
+        lse_shift = ((qf * mu).sum(-1) * scale).t()[None]
+    if quant.equalize_qk:  # spec step 2': β per sequence
+        q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, quant.k_mean_sample)
+        qf = qf * q_mult.repeat_interleave(q.shape[1] // k.shape[1], dim=1)[seq_q]
+        k_smooth = k_smooth * k_mult[seq_k]
     q_amax = packed_group_amax(qf, quant.q_granularity, quant.q_block, seq_q, pos_q, cu_q)
     k_amax = packed_group_amax(k_smooth, quant.k_granularity, quant.k_block, seq_k, pos_k, cu_k)
     q8, q_delta = spec.quantize_symmetric(qf, q_amax, levels)
@@ -89,11 +89,6 @@ def prepare_packed(q, k, v, cu_q, cu_k, scale: float, quant: Scheme, want_lse: b
     key_first, slots = key_slots(cu_k, k.shape[0])
     slot = key_first[seq_k] + pos_k
     v_t, v_scale, v_mean = packed_prepare_v(v, quant, cu_k, seq_k, slot, slots)
-    lse_shift = None
-    if want_lse:
-        groups = q.shape[1] // k.shape[1]
-        mu = k_mean[seq_q].repeat_interleave(groups, dim=1)  # [Tq,Hq,D]
-        lse_shift = ((qf * mu).sum(-1) * scale).t()[None]
     return PackedPrepared(
         q=_heads_first(spec._pad_last(q8, pad)),
         q_scale=(q_delta * (scale * spec.LOG2E)).t().contiguous()[None],
@@ -132,6 +127,35 @@ def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.T
         values = values * weight[:, None, None]
         count = lens.clamp(1, sample)
     return segment_sum(values, lens) / count.to(torch.float32)[:, None, None]
+
+
+def packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, sample: int):
+    """``spec.qk_channel_balance`` of each sequence: (β, 1/β), fp32 [S,Hkv,D] each, from q's ranges about 0 and k's
+    about μK [S,Hkv,D] (``packed_channel_range``)."""
+    r_q = packed_channel_range(q, cu_q, longest_q, sample, 0.0)
+    r_k = packed_channel_range(k, cu_k, longest_k, sample, k_mean[:, :, None])
+    return tuple(m[:, :, 0] for m in spec.channel_balance(r_q, r_k))
+
+
+def packed_channel_range(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre) -> torch.Tensor:
+    """``spec.channel_range`` of each sequence of x [T,H,D] over the tokens ``spec.mean_sample_positions`` picks in it
+    (``sample`` 0: all its tokens): fp32 [S,H,1,D]. The picked rows are gathered into [S,H,W,D], W = min(sample,
+    longest) (longest without a sample), the slots past a sequence's own count masked as spec's: no pass over the
+    tokens not picked, and no [S, sample] rows for sequences shorter than the sample."""
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    width = torch.sym_min(sample, longest) if sample else longest
+    n_seq, heads, d = lens.shape[0], x.shape[1], x.shape[2]
+    if statically_known_true(x.shape[0] == 0) or statically_known_true(width == 0):  # no token to index
+        return x.new_full((n_seq, heads, 1, d), -math.inf, dtype=torch.float32)
+    if sample:
+        pos, _ = spec.mean_sample_positions(lens, width)  # [S, W]; taken: the first min(n, W) slots
+        counted = lens.clamp(max=width)
+    else:
+        pos = torch.minimum(torch.arange(width, device=x.device), (lens[:, None] - 1).clamp_min(0))
+        counted = lens
+    rows = (cu[:-1].to(torch.int64)[:, None] + pos).clamp(0, x.shape[0] - 1)
+    gathered = x[rows.flatten()].unflatten(0, (n_seq, width)).transpose(1, 2)  # [S,H,W,D]
+    return spec.channel_range(gathered, centre, kv_lens=counted, sample=0)
 
 
 def segment_sum(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -220,9 +244,11 @@ def fused_prep_reason(q: torch.Tensor, quant: Scheme) -> Optional[str]:
     return None
 
 
-def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, quant: Scheme) -> PackedPrepared:
+def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                        quant: Scheme) -> PackedPrepared:
     """``prepare_packed`` (with the LSE shift) as Triton kernels, for what ``fused_prep_reason`` accepts: μK and δV's
-    amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V."""
+    amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V; equalize_qk's β from
+    ``packed_channel_balance`` (aten ops on the gathered sample), applied in the quantize passes."""
     from ..kernels import varlen_prep_triton as kernels  # triton: absent from CPU builds of torch
 
     seq_q, _ = token_sequence(cu_q, q.shape[0])
@@ -233,12 +259,16 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
     k_mean = kernels.segment_reduce(k, cu_k, max_seqlen_k, sample=sample) / count.to(torch.float32)[:, None, None]
     if not quant.smooth_k:
         k_mean = torch.zeros_like(k_mean)
-    q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale)
+    q_mult = k_mult = None
+    if quant.equalize_qk:
+        q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, max_seqlen_q, max_seqlen_k, sample)
+    q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale,
+                                          channel=q_mult)
     key_first, slots = key_slots(cu_k, k.shape[0])
     if quant.k_thread_groups:
-        k8, k_scale = kernels.quantize_k_groups(k, k_mean, cu_k, key_first, slots)
+        k8, k_scale = kernels.quantize_k_groups(k, k_mean, cu_k, key_first, slots, channel=k_mult)
     else:
-        k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0, placed=(cu_k, key_first, slots))
+        k8, k_scale, _ = kernels.quantize(k, seq_k, k_mean, 1.0, placed=(cu_k, key_first, slots), channel=k_mult)
     v_delta, inv = v_scales(kernels.segment_reduce(v, cu_k, max_seqlen_k, amax=True))
     v_t = kernels.quantize_v(v, seq_k, cu_k, key_first, inv, slots)
     return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,
@@ -249,21 +279,23 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_k: int, scale: float, qu
 # The ops
 # ------------------------------------------------------------------------------------------------------------------
 LIB.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-                "SymInt max_seqlen_k, int causal=0, float? scale=None, str config='') -> (Tensor, Tensor)")
+                "SymInt max_seqlen_q, SymInt max_seqlen_k, int causal=0, float? scale=None, str config='') -> "
+                "(Tensor, Tensor)")
 
 
 @torch.library.impl(LIB, "attention_varlen", "CompositeImplicitAutograd")
-def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, causal=0, scale=None,
-                                    config=""):
+def _attention_varlen_decomposition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=0,
+                                    scale=None, config=""):
     """The packed prep in aten ops + sage.quantized_attention_varlen: returns (out [Tq,Hq,D], lse [Hq,Tq] fp32, natural
     log of each row's scaled scores, −inf for a row that sees no key). Callers check ``packed_problem`` first."""
-    scheme = packed_scheme(SageConfig.from_op_key(config).scheme)
+    scheme = SageConfig.from_op_key(config).scheme
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if runs_eagerly(q) and fused_prep_reason(q, scheme) is None:
-        p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, scale, scheme)
+        p = prepare_packed_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, scheme)
         torch._dynamo.utils.counters["sage"]["varlen_fused_prep"] += 1
     else:
-        p = prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, scheme, want_lse=True)
+        p = prepare_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, scheme,
+                           want_lse=True)
     out, lse = torch.ops.sage.quantized_attention_varlen(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.key_first, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
         causal, q.shape[-1], q.dtype, scheme.encode())
@@ -379,7 +411,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_id
     tokens = (order + torch.arange(batch, device=q.device)[:, None] * n).flatten()
     packed = [t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3]).index_select(0, tokens) for t in (q, k, v)]
     causal = spec.CAUSAL_BOTTOM_RIGHT if is_causal else spec.CAUSAL_NONE
-    out, _ = torch.ops.sage.attention_varlen(*packed, cu, cu, longest, causal, scale, config)
+    out, _ = torch.ops.sage.attention_varlen(*packed, cu, cu, longest, longest, causal, scale, config)
     result = torch.empty_like(out).index_copy_(0, tokens, out)
     return result.view(batch, n, hq, -1).transpose(1, 2)
 
