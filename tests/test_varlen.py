@@ -6,6 +6,8 @@ cu_seqlens.
 On the CPU the packed path runs the C++ kernel on views of the packed operands, so its output is bit-equal to the
 per-sequence calls. Its LSE adds scale·q·μK as a row-wise dot where the batched op uses a matmul: a different
 summation order, |Δ| ≲ 1e-6 on N(0,1) inputs (LSE_ATOL leaves an order of magnitude)."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -185,6 +187,48 @@ def test_flash_attention_keywords_switch_by_import():
         sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, is_causal=True, causal=False)
     with pytest.raises(ValueError, match="scale=0.1 and softmax_scale=0.2 disagree"):
         sage_attention_varlen(q, k, v, _cu(lens), _cu(lens), 30, 30, scale=0.1, softmax_scale=0.2)
+
+
+def _split_candidates(rows, split, rank):
+    """What prep_triton's sample pass (EXTREMES) leaves of rows [S,H,W,D]: per split of ``split`` slots, the ``rank``
+    largest finite values and the ``rank`` largest negations, descending, −∞ where fewer: [S,H,splits,2,rank,D]."""
+    x = rows.float()
+    splits = []
+    for first in range(0, x.shape[2], split):
+        part = x[:, :, first:first + split]
+        pad = torch.full((*part.shape[:2], rank, part.shape[3]), -math.inf)
+        ends = [torch.cat([torch.where(part.isfinite(), v, -math.inf), pad], 2).topk(rank, dim=2).values
+                for v in (part, -part)]
+        splits.append(torch.stack(ends, 2))
+    return torch.stack(splits, 2)
+
+
+@settings(deadline=None, max_examples=40)
+@given(lens=st.lists(st.integers(0, 300), min_size=1, max_size=4), sample=st.sampled_from([0, 5, 64, 100, 512]),
+       split=st.sampled_from([1, 16, 128]), levels=st.sampled_from([0, 4]), poison=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_range_from_split_candidates_is_the_spec_range(lens, sample, split, levels, poison, seed):
+    """The CUDA packed prep takes each sequence's channel range from the sample pass's per-split candidates
+    (range_from_candidates, the torch twin of prep_triton's _deviation_range): bit-equal to spec.channel_range of the
+    gathered rows for any split size, with ties (values on a few levels), non-finite elements and empty sequences."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lens), 2, 16, generator=g)
+    if levels:
+        x = (x * levels).round()
+    if poison and x.numel():
+        x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] = torch.tensor([math.inf, -math.inf, math.nan] * 2)[:5]
+    x = x.bfloat16()
+    cu, longest = _cu(lens), max(lens)
+    centre = torch.randn(len(lens), 2, 1, 16, generator=g)
+    rows, counted = varlen.sampled_rows(x, cu, longest, sample)
+    expected = varlen.packed_channel_range(x, cu, longest, sample, centre)
+    if rows is None:
+        assert (expected == -math.inf).all()
+        return
+    picked = torch.arange(rows.shape[2]) < counted[:, None]
+    masked = torch.where(picked[:, None, :, None], rows, math.nan)
+    got = varlen.range_from_candidates(_split_candidates(masked, split, spec.RANGE_RANK), centre, counted)
+    assert torch.equal(got, expected)
 
 
 def test_the_packed_path_equalizes_each_sequence_on_its_own():

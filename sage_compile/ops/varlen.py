@@ -129,24 +129,33 @@ def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.T
     return segment_sum(values, lens) / count.to(torch.float32)[:, None, None]
 
 
-def packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, sample: int):
+def packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, sample: int, ranges=None):
     """``spec.qk_channel_balance`` of each sequence: (β, 1/β), fp32 [S,Hkv,D] each, from q's ranges about 0 and k's
-    about μK [S,Hkv,D] (``packed_channel_range``)."""
-    r_q = packed_channel_range(q, cu_q, longest_q, sample, 0.0)
-    r_k = packed_channel_range(k, cu_k, longest_k, sample, k_mean[:, :, None])
+    about μK [S,Hkv,D]; ``ranges`` computes them (default ``packed_channel_range``, else its Triton twin)."""
+    ranges = packed_channel_range if ranges is None else ranges
+    r_q = ranges(q, cu_q, longest_q, sample, 0.0)
+    r_k = ranges(k, cu_k, longest_k, sample, k_mean[:, :, None])
     return tuple(m[:, :, 0] for m in spec.channel_balance(r_q, r_k))
 
 
 def packed_channel_range(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre) -> torch.Tensor:
     """``spec.channel_range`` of each sequence of x [T,H,D] over the tokens ``spec.mean_sample_positions`` picks in it
-    (``sample`` 0: all its tokens): fp32 [S,H,1,D]. The picked rows are gathered into [S,H,W,D], W = min(sample,
-    longest) (longest without a sample), the slots past a sequence's own count masked as spec's: no pass over the
-    tokens not picked, and no [S, sample] rows for sequences shorter than the sample."""
+    (``sample`` 0: all its tokens): fp32 [S,H,1,D], from ``sampled_rows``."""
+    rows, counted = sampled_rows(x, cu, longest, sample)
+    if rows is None:
+        return x.new_full((counted.shape[0], x.shape[1], 1, x.shape[2]), -math.inf, dtype=torch.float32)
+    return spec.channel_range(rows, centre, kv_lens=counted, sample=0)
+
+
+def sampled_rows(x: torch.Tensor, cu: torch.Tensor, longest, sample: int):
+    """(each sequence's picked rows [S,H,W,D] in x's dtype, or None where there is no slot; how many of each
+    sequence's W slots hold its picks, int64 [S] — the first ones, the rest repeat its last token): W = min(sample,
+    longest) (longest without a sample), so no pass over the tokens not picked and no [S, sample] rows for sequences
+    shorter than the sample."""
     lens = (cu[1:] - cu[:-1]).to(torch.int64)
     width = torch.sym_min(sample, longest) if sample else longest
-    n_seq, heads, d = lens.shape[0], x.shape[1], x.shape[2]
     if statically_known_true(x.shape[0] == 0) or statically_known_true(width == 0):  # no token to index
-        return x.new_full((n_seq, heads, 1, d), -math.inf, dtype=torch.float32)
+        return None, lens.clamp(max=0)
     if sample:
         pos, _ = spec.mean_sample_positions(lens, width)  # [S, W]; taken: the first min(n, W) slots
         counted = lens.clamp(max=width)
@@ -154,8 +163,24 @@ def packed_channel_range(x: torch.Tensor, cu: torch.Tensor, longest, sample: int
         pos = torch.minimum(torch.arange(width, device=x.device), (lens[:, None] - 1).clamp_min(0))
         counted = lens
     rows = (cu[:-1].to(torch.int64)[:, None] + pos).clamp(0, x.shape[0] - 1)
-    gathered = x[rows.flatten()].unflatten(0, (n_seq, width)).transpose(1, 2)  # [S,H,W,D]
-    return spec.channel_range(gathered, centre, kv_lens=counted, sample=0)
+    return x[rows.flatten()].unflatten(0, (lens.shape[0], width)).transpose(1, 2), counted
+
+
+def range_from_candidates(ext: torch.Tensor, centre, tokens: torch.Tensor) -> torch.Tensor:
+    """``spec.channel_range`` [S,H,1,D] from per-split candidates ext [S,H,splits,2,RANK,D] — each split's RANK largest
+    finite values, then RANK largest negations (−∞ where fewer; prep_triton's sample pass, EXTREMES) — about
+    ``centre`` (0 or [S,H,1,D]) over ``tokens`` [S] looked-at tokens: the torch twin of prep_triton's
+    _deviation_range, the m-th largest of the candidates' x − centre and centre − x floored at 0, m = min(finite
+    candidates, RANK, ⌈tokens / RANGE_TOKENS_PER_RANK⌉)."""
+    rank_cap = ext.shape[-2]
+    hi, neg = ext[:, :, :, 0].flatten(2, 3), ext[:, :, :, 1].flatten(2, 3)  # [S,H,splits·RANK,D]
+    finite = (hi > -math.inf).sum(dim=2, keepdim=True)
+    deviation = torch.cat([hi - centre, neg + centre], dim=2)
+    top = deviation.transpose(-1, -2).contiguous().topk(rank_cap, dim=-1).values.transpose(-1, -2)
+    per_rank = ((tokens + spec.RANGE_TOKENS_PER_RANK - 1) // spec.RANGE_TOKENS_PER_RANK).clamp(max=rank_cap)
+    rank = torch.minimum(finite, per_rank.view(-1, 1, 1, 1))
+    picked = top.gather(2, (rank - 1).clamp_min(0))
+    return torch.where(rank > 0, picked.clamp_min(0.0), -math.inf)
 
 
 def segment_sum(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -248,7 +273,7 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
                         quant: Scheme) -> PackedPrepared:
     """``prepare_packed`` (with the LSE shift) as Triton kernels, for what ``fused_prep_reason`` accepts: μK and δV's
     amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V; equalize_qk's β from
-    ``packed_channel_balance`` (aten ops on the gathered sample), applied in the quantize passes."""
+    each sequence's gathered sample (``_channel_range_cuda``), applied in the quantize passes."""
     from ..kernels import varlen_prep_triton as kernels  # triton: absent from CPU builds of torch
 
     seq_q, _ = token_sequence(cu_q, q.shape[0])
@@ -261,7 +286,8 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
         k_mean = torch.zeros_like(k_mean)
     q_mult = k_mult = None
     if quant.equalize_qk:
-        q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, max_seqlen_q, max_seqlen_k, sample)
+        q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, max_seqlen_q, max_seqlen_k, sample,
+                                                ranges=_channel_range_cuda)
     q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale,
                                           channel=q_mult)
     key_first, slots = key_slots(cu_k, k.shape[0])
@@ -273,6 +299,23 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
     v_t = kernels.quantize_v(v, seq_k, cu_k, key_first, inv, slots)
     return PackedPrepared(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_t, v_scale=v_delta, v_mean=None,
                           delta_s=None, scheme=quant, lse_shift=shift, key_first=key_first.to(torch.int32))
+
+
+def _channel_range_cuda(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre) -> torch.Tensor:
+    """``packed_channel_range`` with the batched prep's sample pass (Triton) over the gathered rows: its per-split
+    candidates, the slots past a sequence's picks set to NaN (which the candidates skip), then
+    ``range_from_candidates`` — a few small aten ops where ``spec.channel_range`` passes over every gathered element
+    several times."""
+    from ..kernels import prep_triton  # triton: absent from CPU builds of torch
+
+    rows, counted = sampled_rows(x, cu, longest, sample)
+    n_seq, heads, d = counted.shape[0], x.shape[1], x.shape[2]
+    if rows is None:
+        return x.new_full((n_seq, heads, 1, d), -math.inf, dtype=torch.float32)
+    picked = torch.arange(rows.shape[2], device=x.device) < counted[:, None]
+    rows = torch.where(picked[:, None, :, None], rows, math.nan)
+    _, ext = prep_triton.rope_partial_sums(rows, [], True, extremes=True, sums=False)
+    return range_from_candidates(ext.view(n_seq, heads, ext.shape[1], 2, spec.RANGE_RANK, d), centre, counted)
 
 
 # ------------------------------------------------------------------------------------------------------------------
