@@ -3,6 +3,9 @@
 #   bash bench/gpu_run.sh quick    GPU tests, demo, e2e bench at N ∈ {4K, 16K}, D=128
 #   bash bench/gpu_run.sh full     GPU tests, demo, the full e2e bench
 #   bash bench/gpu_run.sh bench    the full e2e bench only
+#   bash bench/gpu_run.sh tests [pytest args]   GPU tests only (default tests/gpu); the whole suite runs ~8 min with
+#                                            -n 8, so within one 10-minute device call run it in halves, e.g.
+#                                            tests/gpu/test_[a-p]*.py, then tests/gpu/test_[r-z]*.py
 #   bash bench/gpu_run.sh <name> [options]   one benchmark (kernel, int4, eager, e2e, models, accuracy, spec, backward, train,
 #                                            context_parallel, varlen), e.g. `kernel --quick`
 #   bash bench/gpu_run.sh sweep <variant>...  the shipped config vs inductor (bench e2e --default-only --rounds 3
@@ -19,14 +22,19 @@ mode=${1:-quick}
 [ $# -gt 0 ] && shift
 MAX_JOBS=16 python -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 python -m sage_compile doctor 2>&1 | tee "$OUT/doctor.log"
+gpu_tests() {
+  xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
+  # the tests' own result files (accuracy_*.json, minilm.json) go into one archive: few files come back from a device
+  mkdir -p "$OUT/tests"
+  OUT="$OUT/tests" python -m pytest -q -p no:cacheprovider $xdist "$@" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
+  tar czf "$OUT/test_results.tgz" -C "$OUT" tests && rm -rf "$OUT/tests"
+}
 case "$mode" in
   quick|full)
-    xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
-    # the tests' own result files (accuracy_*.json, minilm.json) go into one archive: few files come back from a device
-    mkdir -p "$OUT/tests"
-    OUT="$OUT/tests" python -m pytest tests/gpu -q -p no:cacheprovider $xdist 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-    tar czf "$OUT/test_results.tgz" -C "$OUT" tests && rm -rf "$OUT/tests"
+    gpu_tests tests/gpu
     python -m sage_compile demo --seq-len 1024 2>&1 | tee "$OUT/demo.log" | tail -4 ;;
+  tests) gpu_tests "${@:-tests/gpu}"; exit ;;
 esac
 case "$mode" in
   quick) python -m sage_compile bench e2e --n 4096,16384 --d 128 "$@" 2>&1 | tee "$OUT/e2e.log" | tail -12 ;;
