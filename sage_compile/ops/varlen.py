@@ -12,13 +12,13 @@ sequence by sequence without padding any of them to the longest.
   passes/document_mask.py).
 
 ``equalize_qk``'s β is per sequence (``packed_channel_balance``: each sequence's sampled rows gathered, at most
-min(k_mean_sample, its longest) per sequence). Not here: schemes with ``smooth_q`` (ΔS is per sequence and per query group: ``scheme_problem``) and inputs that
-require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
+min(k_mean_sample, the longest sequence) of them). Not here: schemes with ``smooth_q`` (ΔS is per sequence and per
+query group: ``scheme_problem``) and inputs that require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -129,21 +129,24 @@ def packed_token_mean(x: torch.Tensor, cu: torch.Tensor, sample: int) -> torch.T
     return segment_sum(values, lens) / count.to(torch.float32)[:, None, None]
 
 
-def packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, sample: int, ranges=None):
+def packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, sample: int, of_rows=None):
     """``spec.qk_channel_balance`` of each sequence: (β, 1/β), fp32 [S,Hkv,D] each, from q's ranges about 0 and k's
-    about μK [S,Hkv,D]; ``ranges`` computes them (default ``packed_channel_range``, else its Triton twin)."""
-    ranges = packed_channel_range if ranges is None else ranges
-    r_q = ranges(q, cu_q, longest_q, sample, 0.0)
-    r_k = ranges(k, cu_k, longest_k, sample, k_mean[:, :, None])
+    about μK [S,Hkv,D] (``packed_channel_range``, ``of_rows`` passed on)."""
+    r_q = packed_channel_range(q, cu_q, longest_q, sample, 0.0, of_rows)
+    r_k = packed_channel_range(k, cu_k, longest_k, sample, k_mean[:, :, None], of_rows)
     return tuple(m[:, :, 0] for m in spec.channel_balance(r_q, r_k))
 
 
-def packed_channel_range(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre) -> torch.Tensor:
+def packed_channel_range(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre,
+                         of_rows=None) -> torch.Tensor:
     """``spec.channel_range`` of each sequence of x [T,H,D] over the tokens ``spec.mean_sample_positions`` picks in it
-    (``sample`` 0: all its tokens): fp32 [S,H,1,D], from ``sampled_rows``."""
+    (``sample`` 0: all its tokens): fp32 [S,H,1,D], over ``sampled_rows`` — by ``of_rows(rows, counted, centre)``
+    where given (the CUDA prep's Triton twin), else the spec itself."""
     rows, counted = sampled_rows(x, cu, longest, sample)
     if rows is None:
         return x.new_full((counted.shape[0], x.shape[1], 1, x.shape[2]), -math.inf, dtype=torch.float32)
+    if of_rows is not None:
+        return of_rows(rows, counted, centre)
     return spec.channel_range(rows, centre, kv_lens=counted, sample=0)
 
 
@@ -273,7 +276,7 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
                         quant: Scheme) -> PackedPrepared:
     """``prepare_packed`` (with the LSE shift) as Triton kernels, for what ``fused_prep_reason`` accepts: μK and δV's
     amax as segmented reductions, one quantize pass each for Q (with its LSE shift), K and V; equalize_qk's β from
-    each sequence's gathered sample (``_channel_range_cuda``), applied in the quantize passes."""
+    each sequence's gathered sample (``_range_of_rows_cuda``), applied in the quantize passes."""
     from ..kernels import varlen_prep_triton as kernels  # triton: absent from CPU builds of torch
 
     seq_q, _ = token_sequence(cu_q, q.shape[0])
@@ -287,7 +290,7 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
     q_mult = k_mult = None
     if quant.equalize_qk:
         q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, max_seqlen_q, max_seqlen_k, sample,
-                                                ranges=_channel_range_cuda)
+                                                of_rows=_range_of_rows_cuda)
     q8, q_scale, shift = kernels.quantize(q, seq_q, None, scale * spec.LOG2E, mu_k=k_mean, shift_scale=scale,
                                           channel=q_mult)
     key_first, slots = key_slots(cu_k, k.shape[0])
@@ -301,18 +304,15 @@ def prepare_packed_cuda(q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: in
                           delta_s=None, scheme=quant, lse_shift=shift, key_first=key_first.to(torch.int32))
 
 
-def _channel_range_cuda(x: torch.Tensor, cu: torch.Tensor, longest, sample: int, centre) -> torch.Tensor:
-    """``packed_channel_range`` with the batched prep's sample pass (Triton) over the gathered rows: its per-split
-    candidates, the slots past a sequence's picks set to NaN (which the candidates skip), then
-    ``range_from_candidates`` — a few small aten ops where ``spec.channel_range`` passes over every gathered element
-    several times."""
+def _range_of_rows_cuda(rows: torch.Tensor, counted: torch.Tensor, centre) -> torch.Tensor:
+    """``spec.channel_range`` of gathered rows [S,H,W,D] (``sampled_rows``) with the batched prep's sample pass
+    (Triton): its per-split candidates, the slots past a sequence's picks set to NaN (which the candidates skip), then
+    ``range_from_candidates`` — a few small aten ops where the spec's passes over every gathered element several
+    times."""
     from ..kernels import prep_triton  # triton: absent from CPU builds of torch
 
-    rows, counted = sampled_rows(x, cu, longest, sample)
-    n_seq, heads, d = counted.shape[0], x.shape[1], x.shape[2]
-    if rows is None:
-        return x.new_full((n_seq, heads, 1, d), -math.inf, dtype=torch.float32)
-    picked = torch.arange(rows.shape[2], device=x.device) < counted[:, None]
+    n_seq, heads, _, d = rows.shape
+    picked = torch.arange(rows.shape[2], device=rows.device) < counted[:, None]
     rows = torch.where(picked[:, None, :, None], rows, math.nan)
     _, ext = prep_triton.rope_partial_sums(rows, [], True, extremes=True, sums=False)
     return range_from_candidates(ext.view(n_seq, heads, ext.shape[1], 2, spec.RANGE_RANK, d), centre, counted)
