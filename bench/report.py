@@ -292,12 +292,13 @@ def varlen_section(runs) -> list:
     lines = ["## Ragged batches: `sage_attention_varlen`", "",
              "`python -m sage_compile bench varlen`: one batch of sequences of mixed lengths (log-uniform, lengths in "
              "the file), TOPS of the useful work only (Σ 4·H·len²·D / t, halved for causal), whole call. varlen: "
-             "packed, one kernel launch; document: the same batch as one row under a document mask "
-             "(`sage.document_attention`, what the document-mask pass places); loop: one `sage_attention` per "
-             "sequence; padded: the batch padded to its longest sequence (sage, and SDPA); flash varlen: PyTorch's "
-             "`varlen_attn`. cos: varlen vs fp32, worst of the three longest sequences.", ""]
-    columns = (("varlen", "sage_varlen"), ("document", "sage_document"), ("loop", "sage_loop"),
-               ("sage padded", "sage_padded"), ("SDPA padded", "sdpa_padded"), ("flash varlen", "flash_varlen"))
+             "packed, one kernel launch; no eq: the same with `equalize_qk=False`; document: the same batch as one "
+             "row under a document mask (`sage.document_attention`, what the document-mask pass places); loop: one "
+             "`sage_attention` per sequence; padded: the batch padded to its longest sequence (sage, and SDPA); "
+             "flash varlen: PyTorch's `varlen_attn`. cos: varlen vs fp32, worst of the three longest sequences.", ""]
+    columns = (("varlen", "sage_varlen"), ("no eq", "sage_varlen_no_eq"), ("document", "sage_document"),
+               ("loop", "sage_loop"), ("sage padded", "sage_padded"), ("SDPA padded", "sdpa_padded"),
+               ("flash varlen", "flash_varlen"))
     for _, data in runs:
         info = data["info"]
         lines += [f"### {measured(data)}, {len(info['lengths'])} sequences of {min(info['lengths'])}–"

@@ -7,6 +7,7 @@ beside the same batch padded to its longest sequence, one call per sequence, and
 Lengths: ``--seqs`` values log-uniform in [min-len, max-len] (seeded; queries and keys the same). Columns (TOPS = the
 useful work only, Σ 4·H·len²·D, halved for causal, over the time of the whole call, prep and host checks included):
 * ``sage_varlen`` — ``sage_attention_varlen(q, k, v, cu, cu, ...)`` on the packed [total, H, D] tensors;
+* ``sage_varlen_no_eq`` — the same with ``equalize_qk=False``: what the per-sequence Q/K equalization costs;
 * ``sage_document`` — the same batch as one row [1, H, total, D] under a document mask, as the document-mask pass runs
   it (``sage.document_attention``: ids grouped on the GPU, boundaries read on the host, one varlen run);
 * ``sage_loop`` — one ``sage_attention`` per sequence on views of the packed tensors (what varlen ran before its
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from . import recording
 from .kernel_bench import SHAPES, interleaved_ms
 
-COLUMNS = ("sage_varlen", "sage_document", "sage_loop", "sage_padded", "sdpa_padded", "flash_varlen")
+COLUMNS = ("sage_varlen", "sage_varlen_no_eq", "sage_document", "sage_loop", "sage_padded", "sdpa_padded",
+           "flash_varlen")
 
 
 def lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list:
@@ -70,6 +72,8 @@ def _columns(q, k, v, lens, causal: bool) -> dict:
     calls = {
         "sage_varlen": lambda: sage_attention_varlen(q, k, v, cu, cu, longest, longest, is_causal=causal,
                                                      config=config),
+        "sage_varlen_no_eq": lambda: sage_attention_varlen(q, k, v, cu, cu, longest, longest, is_causal=causal,
+                                                           config=config.replace(equalize_qk=False)),
         "sage_document": lambda: torch.ops.sage.document_attention(*rows, ids, causal, None, config.op_key()),
         "sage_loop": loop,
         "sage_padded": lambda: sage_attention(*padded, attn_mask=mask, is_causal=causal, config=config),
@@ -164,11 +168,11 @@ def main(argv=None):
 
 
 def _header() -> str:
-    return f"{'D':>4} {'causal':>6} " + "".join(f"{c:>14}" for c in COLUMNS) + "   varlen/padded  varlen/flash     cos"
+    return f"{'D':>4} {'causal':>6} " + "".join(f"{c:>18}" for c in COLUMNS) + "   varlen/padded  varlen/flash     cos"
 
 
 def _fmt(row) -> str:
-    cell = lambda c: f"{row[c + '_tops']:14.0f}" if c + "_tops" in row else f"{'-':>14}"  # noqa: E731
+    cell = lambda c: f"{row[c + '_tops']:18.0f}" if c + "_tops" in row else f"{'-':>18}"  # noqa: E731
     ratio = lambda c: f"{row['sage_varlen_tops'] / row[c + '_tops']:14.2f}x" if c + "_tops" in row else f"{'-':>15}"  # noqa: E731
     return (f"{row['d']:>4} {row['causal']:>6} " + "".join(cell(c) for c in COLUMNS) + ratio("sage_padded")
             + ratio("flash_varlen") + f"  {row['sage_varlen_cos']:.5f}")

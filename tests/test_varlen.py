@@ -216,7 +216,8 @@ def test_the_range_from_split_candidates_is_the_spec_range(lens, sample, split, 
     if levels:
         x = (x * levels).round()
     if poison and x.numel():
-        x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] = torch.tensor([math.inf, -math.inf, math.nan] * 2)[:5]
+        spots = torch.randint(0, x.numel(), (5,), generator=g)
+        x.view(-1)[spots] = torch.tensor([math.inf, -math.inf, math.nan] * 2)[:5]
     x = x.bfloat16()
     cu, longest = _cu(lens), max(lens)
     centre = torch.randn(len(lens), 2, 1, 16, generator=g)

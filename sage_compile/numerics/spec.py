@@ -387,8 +387,9 @@ def channel_range(x: torch.Tensor, centre, kv_lens: Optional[torch.Tensor] = Non
         tokens = kv_lens.to(torch.int64).clamp(0, n)
     keep = looked & torch.isfinite(rows)
     deviation = torch.where(keep, (rows - centre).abs(), -math.inf)
-    # descending, the kept first; over a contiguous last dim (CUDA's topk over a strided dim is several times slower)
-    top = deviation.transpose(-1, -2).contiguous().topk(min(RANGE_RANK, deviation.shape[-2]), dim=-1).values.transpose(-1, -2)
+    # descending, the kept first; over a contiguous last dim (on CUDA, a topk over the strided token dim was slower)
+    rank = min(RANGE_RANK, deviation.shape[-2])
+    top = deviation.transpose(-1, -2).contiguous().topk(rank, dim=-1).values.transpose(-1, -2)
     # the m-th largest, or the smallest kept where fewer than m are: the least of the first m kept (no count of them)
     per_rank = (tokens + RANGE_TOKENS_PER_RANK - 1) // RANGE_TOKENS_PER_RANK
     first = torch.arange(top.shape[-2], device=x.device)[:, None] < per_rank.view(-1, 1, 1, 1)

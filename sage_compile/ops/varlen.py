@@ -13,7 +13,8 @@ sequence by sequence without padding any of them to the longest.
 
 ``equalize_qk``'s β is per sequence (``packed_channel_balance``: each sequence's sampled rows gathered, at most
 min(k_mean_sample, the longest sequence) of them). Not here: schemes with ``smooth_q`` (ΔS is per sequence and per
-query group: ``scheme_problem``) and inputs that require grad — ``sage_attention_varlen`` runs those one ``sage_attention`` per sequence, which covers both.
+query group: ``scheme_problem``) and inputs that require grad — ``sage_attention_varlen`` runs those one
+``sage_attention`` per sequence, which covers both.
 """
 from __future__ import annotations
 
