@@ -339,11 +339,11 @@ def _deviation_range(ext_ptr, head, SPLITS, centre, TOKENS, D: tl.constexpr, RAN
     """spec.channel_range of one head over TOKENS tokens, fp32 [D], from its splits' candidates ext[head, split, 2,
     RANK, D] (_rope_sum_kernel's EXTREMES): the m-th largest |x − centre|, m = min(finite count, RANK,
     ⌈TOKENS / PER_RANK⌉) — the finite count capped at RANK is the candidates' (each split keeps up to RANK) —, is the
-    m-th largest of
-    the candidates' x − centre and centre − x, floored at 0 — a token among the m largest deviations above the
-    centre is among the RANK largest values of its split, one below it among the RANK smallest; a candidate on the
-    wrong side of the centre gives a term ≤ 0. Rounding is monotonic, so taking the m-th before or after the fp32
-    subtraction gives the same bits. CHUNK splits at a time."""
+    m-th largest of the candidates' x − centre and centre − x, floored at 0 — a token among the m largest deviations
+    above the centre is among the RANK largest values of its split, one below it among the RANK smallest; a
+    candidate on the wrong side of the centre gives a term ≤ 0. Rounding is monotonic, so taking the m-th before or
+    after the fp32 subtraction gives the same bits. CHUNK splits at a time. ops/varlen.range_from_candidates is its
+    torch twin."""
     cols = tl.arange(0, D)
     cand = tl.arange(0, CHUNK * RANK)
     top = tl.full([RANK, D], float("-inf"), tl.float32)
@@ -483,9 +483,9 @@ def _splits_reduce_kernel(in_ptr, out_ptr, SPLITS, COUNT, D: tl.constexpr, COLS:
 def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mult_ptr, GROUP, Q_SPLITS, K_SPLITS,
                     COUNT, Q_COUNT, D: tl.constexpr, SMOOTH: tl.constexpr, CHUNK: tl.constexpr,
                     LIMIT: tl.constexpr, RANK: tl.constexpr, PER_RANK: tl.constexpr):
-    """μK and spec.channel_balance for KV head row = b·Hkv + h, K's sample COUNT keys, Q's Q_COUNT queries. SMOOTH: μK
-    = (Σ of its K_SPLITS partial sums) / COUNT,
-    CHUNK splits at a time in order (a fixed order, as _splits_reduce_kernel's), stored to mean; else 0 stored. Then
+    """μK and spec.channel_balance for KV head row = b·Hkv + h, K's sample COUNT keys, Q's Q_COUNT queries. SMOOTH:
+    μK = (Σ of its K_SPLITS partial sums) / COUNT, CHUNK splits at a time in order (a fixed order, as
+    _splits_reduce_kernel's), stored to mean; else 0 stored. Then
     the channel ranges of its GROUP query heads (rows row·GROUP + g; about 0, the largest of them) and of its keys
     (about μK) from their splits' candidates (_deviation_range), IEEE quotients and square roots."""
     row = tl.program_id(0)
