@@ -263,8 +263,9 @@ def _unbalanced_qk(seed, hq=4, hkv=2, n=300, d=64):
 @given(seed=st.integers(0, 2**16), sample=st.sampled_from([0, 16, 512]), groups=st.sampled_from([1, 2, 7]))
 def test_equalize_balances_the_ranges_and_keeps_the_scores(seed, sample, groups):
     """β and 1/β (spec.channel_balance) make Q's range (the largest over the query heads of a KV head) and the smoothed
-    K's range (spec.channel_range) equal per channel over the tokens they were taken from, their product is 1 within two roundings, and the
-    scores of the scaled operands are the exact scores within fp32 rounding (no quantization yet)."""
+    K's range (spec.channel_range) equal per channel over the tokens they were taken from, their product is 1 within
+    two roundings, and the scores of the scaled operands are the exact scores within fp32 rounding (no quantization
+    yet)."""
     q, k, _ = _unbalanced_qk(seed, hq=2 * groups, hkv=2)
     k_mean = spec.token_mean(k, None, sample)
     q_mult, k_mult = spec.qk_channel_balance(q, k, k_mean, None, sample)
@@ -302,8 +303,8 @@ def _range_by_sorting(x, centre, lens, sample):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 5, 64, 65, 200, 600]), sample=st.sampled_from([0, 5, 100, 512]),
-       ties=st.booleans(), lens=st.booleans(), poison=st.booleans())
+@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 5, 64, 65, 200, 600]),
+       sample=st.sampled_from([0, 5, 100, 512]), ties=st.booleans(), lens=st.booleans(), poison=st.booleans())
 def test_channel_range_is_an_order_statistic_of_the_deviations(seed, n, sample, ties, lens, poison):
     """spec.channel_range against sorting each channel by hand: ties counted each, non-finite elements and keys past
     kv_lens excluded; the largest deviation up to 64 tokens, the 8th from 449 (with 512 tokens: 7 passed over)."""
