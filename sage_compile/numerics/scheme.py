@@ -74,9 +74,9 @@ class Scheme:
     ``smooth_q`` / ``smooth_k`` / ``smooth_v``:
     subtract the token mean first (K: costs nothing and real models have large per-channel K bias; Q: ΔS is added back in
     the kernel, needed for int4). ``equalize_qk``: before quantizing, multiply each channel of Q by β and of K by 1/β,
-    β = √(K's range / Q's range) per KV head and channel, a range the 8th largest deviation over the sample
-    (spec.channel_range) — the scores are unchanged and both operands' channel ranges become alike, so neither loses
-    its small channels to the other's large ones (spec.channel_balance).
+    β = √(K's range / Q's range) per KV head and channel, a range the m-th largest deviation over the sample (the 8th
+    of 512: spec.channel_range) — the scores are unchanged and both operands' channel ranges become alike, so neither
+    loses its small channels to the other's large ones (spec.channel_balance).
     ``pv``: PV operand type (``PV_TYPES``). ``k_mean_sample``: μK and the channel ranges from that many
     tokens where there are more (0: all tokens; any μK and β are exact after dequantization). ``qk="fp4"`` and ``pv="fp4"``
     (NVFP4) go together.

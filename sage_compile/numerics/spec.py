@@ -6,8 +6,8 @@ The steps, for q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] (any strides), softmax scale s (d
 2. Smooth Q (optional): μQ = mean of q over each group of q_block tokens; q̃ = q − μQ; ΔS_j = μQ·k̃_j is added
    to the scores in the kernel.
 2'. Equalize (``equalize_qk``, the default): q̃ ← q̃·β, k̃ ← k̃/β per KV head and channel, β = √(range of k̃ / range
-   of q), a range the 8th largest deviation over a sample of tokens (``channel_range``, ``channel_balance``) — the
-   scores are unchanged, the two operands' ranges alike.
+   of q), a range the m-th largest deviation (8th of 512) over a sample of tokens (``channel_range``,
+   ``channel_balance``) — the scores are unchanged, the two operands' ranges alike.
 3. Quantize q̃, k̃ symmetrically: δ = amax|x| over a group / max_level, x̂ = clamp(rint(x·fl(1/δ))). Groups per
    token, per_thread (the sm90 accumulator's key groups) or per_block. s·log2(e) is folded into δQ.
 4. S = (q̂·k̂ᵀ exact in int32)·δQ·δK + ΔS, fp32, base 2. Online softmax: P̃ = exp2(S − m) ∈ (0, 1].
