@@ -485,9 +485,9 @@ def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mul
                     LIMIT: tl.constexpr, RANK: tl.constexpr, PER_RANK: tl.constexpr):
     """μK and spec.channel_balance for KV head row = b·Hkv + h, K's sample COUNT keys, Q's Q_COUNT queries. SMOOTH:
     μK = (Σ of its K_SPLITS partial sums) / COUNT, CHUNK splits at a time in order (a fixed order, as
-    _splits_reduce_kernel's), stored to mean; else 0 stored. Then
-    the channel ranges of its GROUP query heads (rows row·GROUP + g; about 0, the largest of them) and of its keys
-    (about μK) from their splits' candidates (_deviation_range), IEEE quotients and square roots."""
+    _splits_reduce_kernel's), stored to mean; else 0 stored. Then the channel ranges of its GROUP query heads (rows
+    row·GROUP + g; about 0, the largest of them) and of its keys (about μK) from their splits' candidates
+    (_deviation_range), IEEE quotients and square roots."""
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     mu = tl.zeros([D], dtype=tl.float32)

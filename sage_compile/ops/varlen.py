@@ -74,14 +74,14 @@ def prepare_packed(q, k, v, cu_q, cu_k, longest_q, longest_k, scale: float, quan
         k_mean = torch.zeros_like(k_mean)
     k_smooth = k.float() - k_mean[seq_k]
     qf = q.float()
+    groups = q.shape[1] // k.shape[1]
     lse_shift = None
     if want_lse:  # from the unequalized q (spec.prepare)
-        groups = q.shape[1] // k.shape[1]
         mu = k_mean[seq_q].repeat_interleave(groups, dim=1)  # [Tq,Hq,D]
         lse_shift = ((qf * mu).sum(-1) * scale).t()[None]
     if quant.equalize_qk:  # spec step 2': β per sequence
         q_mult, k_mult = packed_channel_balance(q, k, k_mean, cu_q, cu_k, longest_q, longest_k, quant.k_mean_sample)
-        qf = qf * q_mult.repeat_interleave(q.shape[1] // k.shape[1], dim=1)[seq_q]
+        qf = qf * q_mult.repeat_interleave(groups, dim=1)[seq_q]
         k_smooth = k_smooth * k_mult[seq_k]
     q_amax = packed_group_amax(qf, quant.q_granularity, quant.q_block, seq_q, pos_q, cu_q)
     k_amax = packed_group_amax(k_smooth, quant.k_granularity, quant.k_block, seq_k, pos_k, cu_k)
@@ -313,8 +313,8 @@ def _range_of_rows_cuda(rows: torch.Tensor, counted: torch.Tensor, centre) -> to
     from ..kernels import prep_triton  # triton: absent from CPU builds of torch
 
     n_seq, heads, _, d = rows.shape
-    picked = torch.arange(rows.shape[2], device=rows.device) < counted[:, None]
-    rows = torch.where(picked[:, None, :, None], rows, math.nan)
+    unpicked = torch.arange(rows.shape[2], device=rows.device) >= counted[:, None]
+    rows = rows.masked_fill_(unpicked[:, None, :, None], math.nan)  # in place: rows is a fresh gather
     _, ext = prep_triton.rope_partial_sums(rows, [], True, extremes=True, sums=False)
     return range_from_candidates(ext.view(n_seq, heads, ext.shape[1], 2, spec.RANGE_RANK, d), centre, counted)
 
