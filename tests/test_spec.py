@@ -280,6 +280,29 @@ def test_equalize_balances_the_ranges_and_keeps_the_scores(seed, sample, groups)
     torch.testing.assert_close(scaled, exact, rtol=1e-5, atol=1e-3 * exact.abs().max().item() * 1e-2)
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.sampled_from([1, 70, 600, 3000]), sample=st.sampled_from([0, 16, 512]),
+       smooth_k=st.booleans(), groups=st.sampled_from([1, 3]))
+def test_prepare_with_the_sampled_balance_is_the_spec(seed, n, sample, smooth_k, groups):
+    """spec.prepare with ``balance=prep.sampled_balance`` (what the GPU passes: the sampled rows gathered, the balance
+    step over them alone) gives spec's μK (within its summation order), β and 1/β, and without K smoothing
+    spec.prepare's operands bit for bit."""
+    from sage_compile.kernels import prep
+
+    q, k, v = _unbalanced_qk(seed, hq=2 * groups, hkv=2, n=n)
+    quant = spec.Scheme(k_mean_sample=sample, smooth_k=smooth_k)
+    k_mean = spec.token_mean(k, None, sample) if smooth_k else torch.zeros(1, 2, 1, 64)
+    want = (k_mean, *spec.qk_channel_balance(q, k, k_mean, None, sample))
+    got = prep.sampled_balance(q, k, quant)
+    for a, b in zip(got, want):  # μK's rounding moves the ranges of K by as much
+        torch.testing.assert_close(a, b, rtol=1e-5 if smooth_k else 0, atol=1e-6 if smooth_k else 0)
+    if not smooth_k:
+        prepared = spec.prepare(q, k, v, 0.125, quant, balance=prep.sampled_balance)
+        reference = spec.prepare(q, k, v, 0.125, quant)
+        for field in ("q", "q_scale", "k", "k_scale", "k_channel_scale"):
+            assert torch.equal(getattr(prepared, field), getattr(reference, field)), field
+
+
 def _range_by_sorting(x, centre, lens, sample):
     """spec.channel_range, one channel at a time: the sampled valid tokens' finite |x − centre| sorted, the m-th
     largest taken, m = min(their count, RANGE_RANK, ⌈tokens looked at / RANGE_TOKENS_PER_RANK⌉) (−inf where m = 0)."""

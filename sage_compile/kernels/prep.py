@@ -11,8 +11,10 @@ kernels on CUDA:
   over spec's sample of ``sample`` keys where N is larger (``Scheme.k_mean_sample``), else one read of
   x; split over token ranges, partial sums added in a fixed order (deterministic).
 * ``sage::rope_balance(xq, q_tables, xk, k_tables, sample, smooth_k)`` — with ``Scheme.equalize_qk`` (the default),
-  in place of rope_mean: μK, and the per-channel maxima and minima of rope(k) and rope(q) over the same sample, in
-  one kernel per operand; then β and 1/β of every KV head (``spec.channel_balance``) in one small launch.
+  in place of rope_mean: μK, and per channel the 8 largest values and negations of rope(k) and rope(q) over the
+  same sample, in one kernel per operand; then the channel ranges (``spec.channel_range``), β and 1/β of every KV
+  head (``spec.channel_balance``) in one small launch. Without a producer under torch.compile the same op runs on
+  the sampled rows Inductor gathers (``sampled_balance``).
 * ``sage::rope_quantize(x, tables, mean, out_scale, thread_groups, channel_scale)`` — (rope(x) − μ)·β (β: Q's or K's
   equalize_qk multipliers, if any), per-token amax (or per spec's per_thread K groups), int8 with
   round-half-even, and the per-token scale times ``out_scale``: one read of x, one write of int8.
@@ -185,6 +187,32 @@ def fast_path_reason(xq, xk, quant: spec.Scheme, kv_lens) -> Optional[str]:
         return "fused rope prep needs Triton on CUDA"
     if xq.shape[-1] not in HEAD_DIMS or xq.dim() != 4 or xk.dim() != 4:
         return f"fused rope prep needs 4-D q/k with head dim in {HEAD_DIMS}"
+    return None
+
+
+def sampled_balance(q: torch.Tensor, k: torch.Tensor, quant: spec.Scheme):
+    """(μK, β, 1/β) [B,Hkv,1,D] of ``spec.prepare``'s steps 1 and 2' (``spec.qk_channel_balance``) on CUDA: q's and
+    k's sampled rows gathered in aten (under torch.compile Inductor computes them with the ops that made q and k), the
+    statistics by sage::rope_balance over those rows — aten's topk for the channel ranges took longer than the
+    attention at 1K-4K tokens. μK up to its summation order. For ``balance_for``."""
+    rows_q, rows_k = (_sample_rows(x, quant.k_mean_sample) for x in (q, k))
+    return rope_balance_op(rows_q, (), rows_k, (), 0, quant.smooth_k)
+
+
+def _sample_rows(x: torch.Tensor, sample: int) -> torch.Tensor:
+    """x's tokens at ``spec.mean_sample_positions`` (all of them, in order, where there are at most ``sample``)."""
+    n = x.shape[-2]
+    if not sample:
+        return x
+    pos, _ = spec.mean_sample_positions(torch.full((1,), n, dtype=torch.int64, device=x.device), sample)
+    return x.index_select(-2, pos[0])[..., :torch.sym_min(n, sample), :]
+
+
+def balance_for(q: torch.Tensor, k: torch.Tensor, kv_lens):
+    """``spec.prepare``'s ``balance`` for these inputs: ``sampled_balance`` where sage::rope_balance takes them (CUDA
+    with Triton, 4-D, a head dim the kernels have, no kv_lens), else None (the spec's own steps)."""
+    if q.is_cuda and HAS_TRITON and kv_lens is None and q.dim() == k.dim() == 4 and q.shape[-1] in HEAD_DIMS:
+        return sampled_balance
     return None
 
 

@@ -32,8 +32,8 @@ from ..numerics.spec import (BALANCE_LIMIT, RANGE_RANK, RANGE_TOKENS_PER_RANK, T
 # The partials' reduction (μK's sum, δV's max): 32 channels × 64 splits a program on 2 warps, one chunk up to 16K
 # tokens (δV's splits are 256 tokens; μK's sample has 8). Not swept: ~2 µs, a launch's worth.
 REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
-# The balance launch: 8 splits at a time (μK's sums; the channel ranges' 64 candidates), all D channels a program, on 4
-# warps (512 sampled keys are 8 splits: one step).
+# The balance launch: μK's sums 8 splits at a time (512 sampled keys are 8 splits: one step), all D channels a
+# program, on 4 warps.
 BALANCE_CHUNK, BALANCE_WARPS = 8, 4
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
@@ -62,7 +62,8 @@ def heuristics(kernel: str, head_dim: int, *, sampled: bool = False, thread_grou
       16-bit tables one head (sharing kept the tables' registers live through the head loop: 53 → 90+
       registers, 18-22% slower).
     * ``sum`` (μK's partial sums): 16-token tiles, 16 a split, 2 warps (1.27-1.39× the memory floor); from a
-      sample of keys, 32-key tiles, 2 a split (512 samples: 8 programs per head; measured with K cold in L2).
+      sample of keys (or with the channel ranges' candidates), 32-key tiles, 2 a split (512 samples: 8 programs
+      per head; measured with K cold in L2).
     * ``amax`` (δV's partial maxima): 16-token tiles, 16 a split; 2 warps at D ≤ 64 (1.11× the floor), 4 above
       (1.23×; 2 warps there: 1.6×).
     * ``v_quantize`` (e4m3, transposed store): 64-token tiles on 8 warps, one a program (two or four a program
@@ -276,89 +277,98 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     cols = tl.arange(0, HALF)
     acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
-    hi1 = tl.full([RANK, HALF], float("-inf"), tl.float32)
-    hi2 = tl.full([RANK, HALF], float("-inf"), tl.float32)
-    neg_lo1 = tl.full([RANK, HALF], float("-inf"), tl.float32)
-    neg_lo2 = tl.full([RANK, HALF], float("-inf"), tl.float32)
+    hi1 = (tl.full([1, HALF], float("-inf"), tl.float32),) * RANK
+    hi2 = hi1
+    neg_lo1 = hi1
+    neg_lo2 = hi1
     for t in range(0, TILES_PER_SPLIT):
-        rows = (split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK)
-        if SAMPLED:  # spec.mean_sample_positions: key ⌊u·N / 2^15⌋ for sample i = rows + 1 where N > COUNT, else key i − 1
-            mask = (rows < tl.minimum(N, COUNT))[:, None]
-            u = ((rows + 1) * 20251) % 32768  # spec.WEYL_STEP, WEYL_BITS; every value below 2^31
-            rows = tl.where(N > COUNT, u * (N // 32768) + (u * (N % 32768)) // 32768, rows)
-        else:
-            mask = (rows < N)[:, None]
-        c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
-                                      c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES, ROTARY)
-        r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
-                            EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
+        first = (split * TILES_PER_SPLIT + t) * BLOCK
         if SUMS:
+            rows, mask = _split_rows(first + tl.arange(0, BLOCK), N, COUNT, SAMPLED)
+            c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h,
+                                          c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES,
+                                          ROTARY)
+            r1, r2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, rows, cols, mask, HALF,
+                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
             acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
             acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
-        if EXTREMES:
-            keep1 = mask & (tl.abs(r1) < float("inf"))
-            keep2 = mask & (tl.abs(r2) < float("inf"))
-            hi1 = _merge_top(hi1, tl.where(keep1, r1, float("-inf")), RANK)
-            hi2 = _merge_top(hi2, tl.where(keep2, r2, float("-inf")), RANK)
-            neg_lo1 = _merge_top(neg_lo1, tl.where(keep1, -r1, float("-inf")), RANK)
-            neg_lo2 = _merge_top(neg_lo2, tl.where(keep2, -r2, float("-inf")), RANK)
+        if EXTREMES:  # token by token (one row a step: the sorted lists are updated element-wise, no reduction)
+            for i in tl.static_range(BLOCK):
+                row, one = _split_rows(first + i + tl.arange(0, 1), N, COUNT, SAMPLED)
+                c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b,
+                                              c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, row, cols, one,
+                                              SAME_HALVES, ROTARY)
+                e1, e2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, row, cols, one, HALF,
+                                    EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
+                keep1 = one & (tl.abs(e1) < float("inf"))
+                keep2 = one & (tl.abs(e2) < float("inf"))
+                hi1 = _insert_sorted(hi1, tl.where(keep1, e1, float("-inf")))
+                hi2 = _insert_sorted(hi2, tl.where(keep2, e2, float("-inf")))
+                neg_lo1 = _insert_sorted(neg_lo1, tl.where(keep1, -e1, float("-inf")))
+                neg_lo2 = _insert_sorted(neg_lo2, tl.where(keep2, -e2, float("-inf")))
     if SUMS:
         base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
         tl.store(base + cols, tl.sum(acc1, axis=0))
         tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
     if EXTREMES:  # [rows, splits, 2, RANK, D]: the largest values, then the largest negations
-        ext = (ext_ptr + (bh * tl.num_programs(1) + split) * (4 * RANK * HALF)
-               + tl.arange(0, RANK)[:, None] * (2 * HALF) + cols[None, :])
-        tl.store(ext, hi1)
-        tl.store(ext + HALF, hi2)
-        tl.store(ext + 2 * RANK * HALF, neg_lo1)
-        tl.store(ext + 2 * RANK * HALF + HALF, neg_lo2)
+        ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * RANK * HALF) + cols[None, :]
+        for i in tl.static_range(RANK):
+            tl.store(ext + i * (2 * HALF), hi1[i])
+            tl.store(ext + i * (2 * HALF) + HALF, hi2[i])
+            tl.store(ext + (RANK + i) * (2 * HALF), neg_lo1[i])
+            tl.store(ext + (RANK + i) * (2 * HALF) + HALF, neg_lo2[i])
 
 
 @triton.jit
-def _merge_top(top, x, RANK: tl.constexpr):
-    """The RANK largest of each column of top [RANK, C] and x [R, C] together — a multiset: a value present twice
-    counts twice —, descending, [RANK, C]: RANK rounds of taking the larger of the two maxima and removing one
-    occurrence of it (the first, by argmax), so ties and −inf padding are exact."""
-    top_rows = tl.arange(0, RANK)[:, None]
-    x_rows = tl.arange(0, x.shape[0])[:, None]
-    merged = tl.full(top.shape, float("-inf"), tl.float32)
-    for r in tl.static_range(RANK):
-        top_max = tl.max(top, axis=0)
-        x_max = tl.max(x, axis=0)
-        from_top = top_max >= x_max
-        merged = tl.where(top_rows == r, tl.maximum(top_max, x_max)[None, :], merged)
-        top = tl.where(from_top[None, :] & (top_rows == tl.argmax(top, axis=0)[None, :]), float("-inf"), top)
-        x = tl.where(~from_top[None, :] & (x_rows == tl.argmax(x, axis=0)[None, :]), float("-inf"), x)
+def _split_rows(rows, N, COUNT, SAMPLED: tl.constexpr):
+    """(the tokens at positions ``rows`` of what is summed, their mask [rows, 1]): positions < N, or SAMPLED, those
+    of spec.mean_sample_positions — key ⌊u·N / 2^15⌋ for sample i = position + 1 where N > COUNT, else
+    key i − 1."""
+    if SAMPLED:
+        mask = (rows < tl.minimum(N, COUNT))[:, None]
+        u = ((rows + 1) * 20251) % 32768  # spec.WEYL_STEP, WEYL_BITS; every value below 2^31
+        rows = tl.where(N > COUNT, u * (N // 32768) + (u * (N % 32768)) // 32768, rows)
+    else:
+        mask = (rows < N)[:, None]
+    return rows, mask
+
+
+@triton.jit
+def _insert_sorted(top, x):
+    """top (a tuple of tensors, element-wise descending: each element's largest values so far) with x inserted and
+    the smallest dropped — a multiset: a value present twice counts twice; −inf fills where there are fewer. One
+    bubble pass, two element-wise operations a slot: no reduction, no exchange between threads."""
+    merged = ()
+    for i in tl.static_range(len(top)):
+        merged = merged + (tl.maximum(top[i], x),)
+        x = tl.minimum(top[i], x)
     return merged
 
 
 @triton.jit
 def _deviation_range(ext_ptr, head, SPLITS, centre, TOKENS, D: tl.constexpr, RANK: tl.constexpr,
-                     PER_RANK: tl.constexpr, CHUNK: tl.constexpr):
+                     PER_RANK: tl.constexpr):
     """spec.channel_range of one head over TOKENS tokens, fp32 [D], from its splits' candidates ext[head, split, 2,
     RANK, D] (_rope_sum_kernel's EXTREMES): the m-th largest |x − centre|, m = min(finite count, RANK,
     ⌈TOKENS / PER_RANK⌉) — the finite count capped at RANK is the candidates' (each split keeps up to RANK) —, is the
     m-th largest of the candidates' x − centre and centre − x, floored at 0 — a token among the m largest deviations
     above the centre is among the RANK largest values of its split, one below it among the RANK smallest; a
     candidate on the wrong side of the centre gives a term ≤ 0. Rounding is monotonic, so taking the m-th before or
-    after the fp32 subtraction gives the same bits. CHUNK splits at a time. ops/varlen.range_from_candidates is its
-    torch twin."""
+    after the fp32 subtraction gives the same bits. ops/varlen.range_from_candidates is its torch twin."""
     cols = tl.arange(0, D)
-    cand = tl.arange(0, CHUNK * RANK)
-    top = tl.full([RANK, D], float("-inf"), tl.float32)
+    top = (tl.full([D], float("-inf"), tl.float32),) * RANK
     finite = tl.zeros([D], dtype=tl.int32)
-    for first in range(0, SPLITS, CHUNK):
-        split = first + cand // RANK
-        mask = (split < SPLITS)[:, None]
-        base = ext_ptr + ((head * SPLITS + split) * (2 * RANK) + cand % RANK)[:, None] * D + cols[None, :]
-        hi = tl.load(base, mask=mask, other=float("-inf"))
-        neg_lo = tl.load(base + RANK * D, mask=mask, other=float("-inf"))
-        finite += tl.sum((hi > float("-inf")).to(tl.int32), axis=0)
-        top = _merge_top(top, hi - centre, RANK)
-        top = _merge_top(top, neg_lo + centre, RANK)
+    for split in range(0, SPLITS):
+        base = ext_ptr + (head * SPLITS + split) * (2 * RANK * D) + cols
+        for i in tl.static_range(RANK):
+            hi = tl.load(base + i * D)
+            finite += (hi > float("-inf")).to(tl.int32)
+            top = _insert_sorted(top, hi - centre)
+            top = _insert_sorted(top, tl.load(base + (RANK + i) * D) + centre)
     rank = tl.minimum(finite, tl.minimum((TOKENS + PER_RANK - 1) // PER_RANK, RANK))
-    picked = tl.max(tl.where(tl.arange(0, RANK)[:, None] == rank[None, :] - 1, top, float("-inf")), axis=0)
+    picked = tl.full([D], float("-inf"), tl.float32)
+    for i in tl.static_range(RANK):
+        picked = tl.where(rank == i + 1, top[i], picked)
     return tl.where(rank > 0, tl.maximum(picked, 0.0), float("-inf"))
 
 
@@ -502,8 +512,8 @@ def _balance_kernel(q_ext_ptr, k_ext_ptr, k_sum_ptr, mean_ptr, q_mult_ptr, k_mul
     r_q = tl.full([D], float("-inf"), tl.float32)
     for g in range(0, GROUP):
         r_q = tl.maximum(r_q, _deviation_range(q_ext_ptr, row * GROUP + g, Q_SPLITS, 0.0, Q_COUNT, D, RANK,
-                                               PER_RANK, CHUNK))
-    r_k = _deviation_range(k_ext_ptr, row, K_SPLITS, mu, COUNT, D, RANK, PER_RANK, CHUNK)
+                                               PER_RANK))
+    r_k = _deviation_range(k_ext_ptr, row, K_SPLITS, mu, COUNT, D, RANK, PER_RANK)
     ok = (r_q > 0) & (r_k > 0) & (r_q < float("inf")) & (r_k < float("inf"))
     r_q = tl.where(ok, r_q, 1.0)
     r_k = tl.where(ok, r_k, 1.0)
@@ -667,7 +677,7 @@ def rope_partial_sums(x: torch.Tensor, table_args: list, same_halves: bool, samp
     (prep.rope_halves); D in the halves' order. ``extremes``: (those sums, or None with ``sums=False``; fp32 [B·H,
     splits, 2, RANK, D]: per channel the RANK largest of the same tokens' finite values, then of their negations)."""
     batch, heads, n, d = x.shape
-    tiling = heuristics("sum", d, sampled=sample > 0)
+    tiling = heuristics("sum", d, sampled=sample > 0 or extremes)
     splits = triton.cdiv(sample or n, tiling.tiles * tiling.block)
     ext = (torch.empty((batch * heads, splits, 2, RANGE_RANK, d), dtype=torch.float32, device=x.device) if extremes
            else None)

@@ -467,16 +467,20 @@ def prepare(
     kv_lens: Optional[torch.Tensor] = None,
     want_lse: bool = False,
     v_prep=None,
+    balance=None,
 ) -> Prepared:
     """Steps 1–3 and V of the spec. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D], any strides, bf16/fp16/fp32.
     ``v_prep(v, quant, kv_lens)`` computes V's half where given (the GPU passes ``prep.prepare_v``, which is
-    bit-equal to ``prepare_v`` below, the default)."""
+    bit-equal to ``prepare_v`` below, the default). ``balance(q, k, quant)`` → (μK, β, 1/β), where given and
+    ``quant.equalize_qk``, in place of steps 1 and 2's statistics (the GPU passes ``prep.sampled_balance`` without
+    kv_lens: the same values, μK up to its summation order)."""
     d = q.shape[-1]
     pad = padded_head_dim(d) - d
     levels = quant.qk_type.max_level
     score_scale = scale * LOG2E
 
-    k_mean = token_mean(k, kv_lens, quant.k_mean_sample)  # step 1
+    stats = balance(q, k, quant) if balance is not None and quant.equalize_qk else None
+    k_mean = token_mean(k, kv_lens, quant.k_mean_sample) if stats is None else stats[0]  # step 1
     if not quant.smooth_k:
         k_mean = torch.zeros_like(k_mean)
     k_smooth = k.float() - k_mean
@@ -489,7 +493,7 @@ def prepare(
 
     k_mult = None
     if quant.equalize_qk:  # step 2': (q·β)·(k̃/β), channel ranges balanced (ΔS above from the unscaled operands)
-        q_mult, k_mult = qk_channel_balance(q, k, k_mean, kv_lens, quant.k_mean_sample)
+        q_mult, k_mult = qk_channel_balance(q, k, k_mean, kv_lens, quant.k_mean_sample) if stats is None else stats[1:]
         qf = qf * per_query_head(q_mult, q.shape[1])
         k_smooth = k_smooth * k_mult
 

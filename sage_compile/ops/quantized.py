@@ -85,7 +85,8 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
         p = prep.plain_prepare(q, k, v, scale, scheme, want_lse)
         torch._dynamo.utils.counters["sage"]["eager_fused_prep"] += 1
     else:
-        p = spec.prepare(q, k, v, scale, scheme, kv_lens, want_lse=want_lse, v_prep=prep.prepare_v)
+        p = spec.prepare(q, k, v, scale, scheme, kv_lens, want_lse=want_lse, v_prep=prep.prepare_v,
+                         balance=prep.balance_for(q, k, kv_lens))
     kernel_mask = spec.kernel_mask(spec.mask_operand(attn_mask, q, k))
     out, lse = torch.ops.sage.quantized_attention(
         p.q, p.q_scale, p.k, p.k_scale, p.v, p.v_scale, p.v_mean, p.delta_s, kv_lens, kernel_mask, causal,

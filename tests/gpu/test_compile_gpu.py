@@ -43,11 +43,11 @@ def test_prep_fuses_into_the_producers(k_granularity, equalize):
     """Q's and K's quantization each fuse with their producer (an RMS norm Inductor generates): exactly two Inductor
     kernels round to int8, and each also computes the norm — none only casts q or k; per-token, each also computes
     its amax. per_thread K reduces its 32-key groups' amax in a kernel of its own (norm + token amax, then the group
-    max), so K's rounding kernel reads it: two launches more. equalize_qk (the default) adds its ranges: the sampled
-    rows' deviations of q and of k gathered (each then an aten.topk, not a Triton launch), Q's norm statistics again,
-    the ranges and β — four launches more on this generic path (the fused rotary prep takes two). Kernels are
-    counted by launch (``.run(``): the generated code also carries the @triton.jit helpers our own kernels call
-    (_div_rn, _mul_rn, ...)."""
+    max), so K's rounding kernel reads it: two launches more. equalize_qk (the default) adds its statistics: the
+    sampled rows of q and of k gathered with their norm (Inductor), then sage::rope_balance over them (two sample
+    passes and the balance launch, which computes μK too: no aten topk) — four launches more on this generic path.
+    Kernels are counted by launch (``.run(``): the generated code also carries the @triton.jit helpers our own
+    kernels call (_div_rn, _mul_rn, ...)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -70,6 +70,10 @@ def test_prep_fuses_into_the_producers(k_granularity, equalize):
     # our V prep (amax partials, their reduction, quantize), the norm's statistics, μK's sampled sum (gather and
     # two reduction stages), Q's and K's quantize: 9 launches on torch 2.11; per_thread K 11 (K's group amax)
     assert len(launched) <= (9 if k_granularity == "per_token" else 11) + (4 if equalize else 0), launched
+    code = "\n".join(codes)
+    assert "topk" not in code
+    ours = [name for name in launched if name.startswith(("_balance_kernel", "_rope_sum_kernel"))]
+    assert len(ours) == (3 if equalize else 0) and sum("_balance" in name for name in ours) == equalize, launched
     assert _cos(out, block(*(t.float() for t in (xq, xk, v)))) > 0.999
 
 

@@ -235,6 +235,25 @@ def test_rope_balance_matches_reference(batch, hkv, group, n_q, n_k, d, kind, sa
             assert torch.equal(a.cpu(), b)
 
 
+@settings(max_examples=12, deadline=None)
+@given(hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 4]), n=st.sampled_from([1, 300, 5000]),
+       d=st.sampled_from([64, 128]), sample=st.sampled_from([0, 512]), smooth_k=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_sampled_balance_matches_the_spec(hkv, group, n, d, sample, smooth_k, seed):
+    """spec.prepare's ``balance`` on CUDA (prep.sampled_balance: the gathered sample, then sage::rope_balance) against
+    the spec's own steps on the CPU: β and 1/β bit for bit without K smoothing, within μK's rounding with it."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = (_layout_x(1, hkv * group, n, d, g, "bnhd") * 3).bfloat16()
+    k = (_layout_x(1, hkv, n, d, g, "bhnd") + torch.linspace(-6, 6, d, device=DEV)).bfloat16()
+    quant = spec.Scheme(k_mean_sample=sample, smooth_k=smooth_k)
+    got = prep.sampled_balance(q, k, quant)
+    qc, kc = q.cpu(), k.cpu()
+    k_mean = spec.token_mean(kc, None, sample) if smooth_k else torch.zeros(1, hkv, 1, d)
+    want = (k_mean, *spec.qk_channel_balance(qc, kc, k_mean, None, sample))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.cpu(), b, rtol=2e-6 if smooth_k else 0, atol=1e-6 if smooth_k else 0)
+
+
 @settings(max_examples=24, deadline=None)
 @given(rows=st.integers(1, 70), splits=st.sampled_from([1, 2, 7, 8, 63, 64, 65, 200]), d=st.sampled_from([64, 128]),
        count=st.sampled_from([None, 1, 512, 5000]), seed=st.integers(0, 2**16))
