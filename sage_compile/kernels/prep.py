@@ -53,6 +53,7 @@ import importlib.util
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..numerics import spec
 
@@ -210,8 +211,9 @@ def _sample_rows(x: torch.Tensor, sample: int) -> torch.Tensor:
 
 def balance_for(q: torch.Tensor, k: torch.Tensor, kv_lens):
     """``spec.prepare``'s ``balance`` for these inputs: ``sampled_balance`` where sage::rope_balance takes them (CUDA
-    with Triton, 4-D, a head dim the kernels have, no kv_lens), else None (the spec's own steps)."""
-    if q.is_cuda and HAS_TRITON and kv_lens is None and q.dim() == k.dim() == 4 and q.shape[-1] in HEAD_DIMS:
+    with Triton, 4-D, a head dim the kernels have, no kv_lens, queries), else None (the spec's own steps)."""
+    if (q.is_cuda and HAS_TRITON and kv_lens is None and q.dim() == k.dim() == 4 and q.shape[-1] in HEAD_DIMS
+            and not statically_known_true(q.shape[-2] == 0)):
         return sampled_balance
     return None
 
