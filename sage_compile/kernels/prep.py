@@ -201,12 +201,11 @@ def sampled_balance(q: torch.Tensor, k: torch.Tensor, quant: spec.Scheme):
 
 
 def _sample_rows(x: torch.Tensor, sample: int) -> torch.Tensor:
-    """x's tokens at ``spec.mean_sample_positions`` (all of them, in order, where there are at most ``sample``)."""
-    n = x.shape[-2]
+    """x's tokens the spec's sample takes (all of them, in order, where there are at most ``sample``): its gathered
+    rows less the repeats past the last key."""
     if not sample:
         return x
-    pos, _ = spec.mean_sample_positions(torch.full((1,), n, dtype=torch.int64, device=x.device), sample)
-    return x.index_select(-2, pos[0])[..., :torch.sym_min(n, sample), :]
+    return spec._sampled_rows(x, None, sample)[0][..., :torch.sym_min(x.shape[-2], sample), :]
 
 
 def balance_for(q: torch.Tensor, k: torch.Tensor, kv_lens):
