@@ -5,7 +5,9 @@
 #   bash bench/gpu_run.sh bench    the full e2e bench only
 #   bash bench/gpu_run.sh tests [pytest args]   GPU tests only (default tests/gpu); the whole suite runs ~8 min with
 #                                            -n 8, so within one 10-minute device call run it in halves, e.g.
-#                                            tests/gpu/test_[a-p]*.py, then tests/gpu/test_[r-z]*.py
+#                                            tests/gpu/test_[a-p]*.py, then tests/gpu/test_[r-z]*.py; cut after
+#                                            GPU_TESTS_SECONDS (480), it lists the unfinished tests, and each
+#                                            failure's traceback is in $OUT/failures.log as it happens
 #   bash bench/gpu_run.sh <name> [options]   one benchmark (kernel, int4, eager, e2e, models, accuracy, spec, backward, train,
 #                                            context_parallel, varlen), e.g. `kernel --quick`
 #   bash bench/gpu_run.sh sweep <variant>...  the shipped config vs inductor (bench e2e --default-only --rounds 3
@@ -26,8 +28,19 @@ gpu_tests() {
   xdist=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
   # the tests' own result files (accuracy_*.json, minilm.json) go into one archive: few files come back from a device
   mkdir -p "$OUT/tests"
-  OUT="$OUT/tests" python -m pytest -q -p no:cacheprovider $xdist "$@" > "$OUT/gpu_tests.log" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
+  # -v: each test's result is logged as it ends, so a run cut by the time limit (GPU_TESTS_SECONDS, default 480:
+  # a device call's 10 minutes less the build) still says what passed and failed, and what had not finished
+  OUT="$OUT/tests" SAGE_TEST_FAILURES="$OUT/failures.log" timeout "${GPU_TESTS_SECONDS:-480}" python -m pytest -v -p no:cacheprovider $xdist "$@" \
+    > "$OUT/gpu_tests.log" 2>&1
+  if [ $? -eq 124 ]; then
+    log="$OUT/gpu_tests.log"
+    echo "CUT after ${GPU_TESTS_SECONDS:-480} s: $(grep -c " PASSED " "$log") passed, $(grep -cE " (FAILED|ERROR) " "$log")" \
+      "failed so far; unfinished:"
+    comm -23 <(grep -E "^tests/[^ ]+ *$" "$log" | sed 's/ *$//' | sort -u) \
+      <(grep -oE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) tests/[^ ]+" "$log" | awk '{print $2}' | sort -u) | head -20
+  fi
+  grep -E " (FAILED|ERROR) |passed|failed" "$OUT/gpu_tests.log" | sed 's/^\[gw[0-9]*\] //' | tail -20
+  [ -s "$OUT/failures.log" ] && grep -E "^====|^E  " "$OUT/failures.log" | head -30
   tar czf "$OUT/test_results.tgz" -C "$OUT" tests && rm -rf "$OUT/tests"
 }
 case "$mode" in

@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """Each failure's traceback as it happens, appended to $SAGE_TEST_FAILURES where set (bench/gpu_run.sh: a run
+    cut by a device call's time limit keeps them; pytest prints them only at its end). Under xdist the controller
+    writes them (a worker's reports reach it too)."""
+    path = os.environ.get("SAGE_TEST_FAILURES")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
