@@ -30,8 +30,9 @@ gpu_tests() {
   mkdir -p "$OUT/tests"
   # -v: each test's result is logged as it ends, so a run cut by the time limit (GPU_TESTS_SECONDS, default 480:
   # a device call's 10 minutes less the build) still says what passed and failed, and what had not finished
-  OUT="$OUT/tests" SAGE_TEST_FAILURES="$OUT/failures.log" timeout "${GPU_TESTS_SECONDS:-480}" python -m pytest -v -p no:cacheprovider $xdist "$@" \
-    > "$OUT/gpu_tests.log" 2>&1
+  # (SAGE_TEST_FAILURES first: a prefix assignment sees the ones before it, and OUT changes)
+  SAGE_TEST_FAILURES="$OUT/failures.log" OUT="$OUT/tests" timeout "${GPU_TESTS_SECONDS:-480}" \
+    python -m pytest -v -p no:cacheprovider $xdist "$@" > "$OUT/gpu_tests.log" 2>&1
   if [ $? -eq 124 ]; then
     log="$OUT/gpu_tests.log"
     echo "CUT after ${GPU_TESTS_SECONDS:-480} s: $(grep -c " PASSED " "$log") passed, $(grep -cE " (FAILED|ERROR) " "$log")" \
