@@ -35,6 +35,11 @@ REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
 # The balance launch: μK's sums 8 splits at a time (512 sampled keys are 8 splits: one step), all D channels a
 # program, on 4 warps.
 BALANCE_CHUNK, BALANCE_WARPS = 8, 4
+# The channel ranges' candidates (_sums_and_extremes): a row a step, 4 steps unrolled (not swept yet).
+EXTREMES_UNROLL = tl.constexpr(4)
+# The balance launch reads its heads' candidates 8 splits at a time (512 sampled keys: one step; a split a step was
+# a chain of dependent loads).
+BALANCE_UNROLL = tl.constexpr(8)
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 
@@ -268,23 +273,30 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
     same integer arithmetic: sample i ≥ 1 is key u·(N >> 15) + (u·(N mod 2^15) >> 15), u = i·20251 mod 2^15, where
     N > COUNT, else key i − 1). EXTREMES: also ext[bh, split] = per channel the RANK largest of the same tokens'
     finite values, then the RANK largest of their negations (descending; −inf where there are fewer): what
-    spec.channel_range needs of them (_deviation_range). SUMS=False (with EXTREMES): those alone, nothing written to
-    out."""
+    spec.channel_range needs of them (_deviation_range) — token by token (_sums_and_extremes), the sums too (another
+    order). SUMS=False (with EXTREMES): those alone, nothing written to out."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
     cols = tl.arange(0, HALF)
-    acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
-    hi1 = (tl.full([1, HALF], float("-inf"), tl.float32),) * RANK
-    hi2 = hi1
-    neg_lo1 = hi1
-    neg_lo2 = hi1
-    for t in range(0, TILES_PER_SPLIT):
-        first = (split * TILES_PER_SPLIT + t) * BLOCK
-        if SUMS:
-            rows, mask = _split_rows(first + tl.arange(0, BLOCK), N, COUNT, SAMPLED)
+    if EXTREMES:
+        acc1, acc2, hi1, hi2, neg_lo1, neg_lo2 = _sums_and_extremes(
+            x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h, c2n,
+            c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps, b, h, split * TILES_PER_SPLIT * BLOCK, TILES_PER_SPLIT * BLOCK,
+            N, COUNT, cols, HALF, SAME_HALVES, SAMPLED, EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY, SUMS,
+            RANK, EXTREMES_UNROLL)
+        ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * RANK * HALF) + cols[None, :]
+        for i in tl.static_range(RANK):  # [rows, splits, 2, RANK, D]: the largest values, then the largest negations
+            tl.store(ext + i * (2 * HALF), hi1[i])
+            tl.store(ext + i * (2 * HALF) + HALF, hi2[i])
+            tl.store(ext + (RANK + i) * (2 * HALF), neg_lo1[i])
+            tl.store(ext + (RANK + i) * (2 * HALF) + HALF, neg_lo2[i])
+    else:
+        acc1 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK, HALF], dtype=tl.float32)
+        for t in range(0, TILES_PER_SPLIT):
+            rows, mask = _split_rows((split * TILES_PER_SPLIT + t) * BLOCK + tl.arange(0, BLOCK), N, COUNT, SAMPLED)
             c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h,
                                           c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, rows, cols, mask, SAME_HALVES,
                                           ROTARY)
@@ -292,31 +304,48 @@ def _rope_sum_kernel(x_ptr, sxb, sxh, sxn, sxd,
                                 EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
             acc1 += tl.where(tl.abs(r1) < float("inf"), r1, 0.0)  # spec.finite_or_zero: a poisoned key poisons no μ
             acc2 += tl.where(tl.abs(r2) < float("inf"), r2, 0.0)
-        if EXTREMES:  # token by token (one row a step: the sorted lists are updated element-wise, no reduction)
-            for i in tl.static_range(BLOCK):
-                row, one = _split_rows(first + i + tl.arange(0, 1), N, COUNT, SAMPLED)
-                c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b,
-                                              c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, row, cols, one,
-                                              SAME_HALVES, ROTARY)
-                e1, e2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, row, cols, one, HALF,
-                                    EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
-                keep1 = one & (tl.abs(e1) < float("inf"))
-                keep2 = one & (tl.abs(e2) < float("inf"))
-                hi1 = _insert_sorted(hi1, tl.where(keep1, e1, float("-inf")))
-                hi2 = _insert_sorted(hi2, tl.where(keep2, e2, float("-inf")))
-                neg_lo1 = _insert_sorted(neg_lo1, tl.where(keep1, -e1, float("-inf")))
-                neg_lo2 = _insert_sorted(neg_lo2, tl.where(keep2, -e2, float("-inf")))
     if SUMS:
         base = out_ptr + (bh * tl.num_programs(1) + split) * (2 * HALF)
         tl.store(base + cols, tl.sum(acc1, axis=0))
         tl.store(base + HALF + cols, tl.sum(acc2, axis=0))
-    if EXTREMES:  # [rows, splits, 2, RANK, D]: the largest values, then the largest negations
-        ext = ext_ptr + (bh * tl.num_programs(1) + split) * (4 * RANK * HALF) + cols[None, :]
-        for i in tl.static_range(RANK):
-            tl.store(ext + i * (2 * HALF), hi1[i])
-            tl.store(ext + i * (2 * HALF) + HALF, hi2[i])
-            tl.store(ext + (RANK + i) * (2 * HALF), neg_lo1[i])
-            tl.store(ext + (RANK + i) * (2 * HALF) + HALF, neg_lo2[i])
+
+
+@triton.jit
+def _sums_and_extremes(x_ptr, sxb, sxh, sxn, sxd, c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d,
+                       c2_ptr, c2b, c2h, c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, w_ptr, eps: tl.constexpr, b, h, first,
+                       ROWS, N, COUNT, cols, HALF: tl.constexpr, SAME_HALVES: tl.constexpr, SAMPLED: tl.constexpr,
+                       EXACT_PRODUCTS: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                       HAS_WEIGHT: tl.constexpr, ROTARY: tl.constexpr, SUMS: tl.constexpr, RANK: tl.constexpr,
+                       UNROLL: tl.constexpr):
+    """Over positions [first, first + ROWS), token by token: (Σ of rope(x)'s finite values [1, HALF] per half, or
+    zeros without SUMS; each half's RANK largest finite values and RANK largest negations, tuples of [1, HALF],
+    descending). A row a step, UNROLL steps unrolled in a loop: the sorted lists are updated element-wise
+    (_insert_sorted), and a thread holds one element of a row — ~55 registers; the same steps unrolled over a 32-row
+    tile beside the tile's sums held 255 and took 27 s to compile."""
+    acc1 = tl.zeros([1, HALF], dtype=tl.float32)
+    acc2 = tl.zeros([1, HALF], dtype=tl.float32)
+    hi1 = (tl.full([1, HALF], float("-inf"), tl.float32),) * RANK
+    hi2 = hi1
+    neg_lo1 = hi1
+    neg_lo2 = hi1
+    for r0 in range(0, ROWS, UNROLL):
+        for i in tl.static_range(UNROLL):
+            row, one = _split_rows(first + r0 + i + tl.arange(0, 1), N, COUNT, SAMPLED)
+            c1, s1, c2, s2 = _rope_tables(c1_ptr, c1b, c1h, c1n, c1d, s1_ptr, s1b, s1h, s1n, s1d, c2_ptr, c2b, c2h,
+                                          c2n, c2d, s2_ptr, s2b, s2h, s2n, s2d, b, h, row, cols, one, SAME_HALVES,
+                                          ROTARY)
+            e1, e2 = _rope_tile(x_ptr, sxb, sxh, sxn, sxd, c1, s1, c2, s2, w_ptr, eps, b, h, row, cols, one, HALF,
+                                EXACT_PRODUCTS, INTERLEAVED, NORM, HAS_WEIGHT, ROTARY)
+            keep1 = one & (tl.abs(e1) < float("inf"))
+            keep2 = one & (tl.abs(e2) < float("inf"))
+            if SUMS:  # spec.finite_or_zero: a poisoned key poisons no μ
+                acc1 += tl.where(keep1, e1, 0.0)
+                acc2 += tl.where(keep2, e2, 0.0)
+            hi1 = _insert_sorted(hi1, tl.where(keep1, e1, float("-inf")))
+            hi2 = _insert_sorted(hi2, tl.where(keep2, e2, float("-inf")))
+            neg_lo1 = _insert_sorted(neg_lo1, tl.where(keep1, -e1, float("-inf")))
+            neg_lo2 = _insert_sorted(neg_lo2, tl.where(keep2, -e2, float("-inf")))
+    return acc1, acc2, hi1, hi2, neg_lo1, neg_lo2
 
 
 @triton.jit
@@ -358,13 +387,15 @@ def _deviation_range(ext_ptr, head, SPLITS, centre, TOKENS, D: tl.constexpr, RAN
     cols = tl.arange(0, D)
     top = (tl.full([D], float("-inf"), tl.float32),) * RANK
     finite = tl.zeros([D], dtype=tl.int32)
-    for split in range(0, SPLITS):
-        base = ext_ptr + (head * SPLITS + split) * (2 * RANK * D) + cols
-        for i in tl.static_range(RANK):
-            hi = tl.load(base + i * D)
-            finite += (hi > float("-inf")).to(tl.int32)
-            top = _insert_sorted(top, hi - centre)
-            top = _insert_sorted(top, tl.load(base + (RANK + i) * D) + centre)
+    for first in range(0, SPLITS, BALANCE_UNROLL):  # the loads of BALANCE_UNROLL splits issued together
+        for j in tl.static_range(BALANCE_UNROLL):
+            present = (first + j < SPLITS) & (cols < D)
+            base = ext_ptr + (head * SPLITS + first + j) * (2 * RANK * D) + cols
+            for i in tl.static_range(RANK):
+                hi = tl.load(base + i * D, mask=present, other=float("-inf"))
+                finite += (hi > float("-inf")).to(tl.int32)
+                top = _insert_sorted(top, hi - centre)
+                top = _insert_sorted(top, tl.load(base + (RANK + i) * D, mask=present, other=float("-inf")) + centre)
     rank = tl.minimum(finite, tl.minimum((TOKENS + PER_RANK - 1) // PER_RANK, RANK))
     picked = tl.full([D], float("-inf"), tl.float32)
     for i in tl.static_range(RANK):
