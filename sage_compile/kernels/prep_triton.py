@@ -37,9 +37,6 @@ REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
 BALANCE_CHUNK, BALANCE_WARPS = 8, 4
 # The channel ranges' candidates (_sums_and_extremes): a row a step, 4 steps unrolled (not swept yet).
 EXTREMES_UNROLL = tl.constexpr(4)
-# The balance launch reads its heads' candidates 8 splits at a time (512 sampled keys: one step; a split a step was
-# a chain of dependent loads).
-BALANCE_UNROLL = tl.constexpr(8)
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK
 
@@ -387,15 +384,13 @@ def _deviation_range(ext_ptr, head, SPLITS, centre, TOKENS, D: tl.constexpr, RAN
     cols = tl.arange(0, D)
     top = (tl.full([D], float("-inf"), tl.float32),) * RANK
     finite = tl.zeros([D], dtype=tl.int32)
-    for first in range(0, SPLITS, BALANCE_UNROLL):  # the loads of BALANCE_UNROLL splits issued together
-        for j in tl.static_range(BALANCE_UNROLL):
-            present = (first + j < SPLITS) & (cols < D)
-            base = ext_ptr + (head * SPLITS + first + j) * (2 * RANK * D) + cols
-            for i in tl.static_range(RANK):
-                hi = tl.load(base + i * D, mask=present, other=float("-inf"))
-                finite += (hi > float("-inf")).to(tl.int32)
-                top = _insert_sorted(top, hi - centre)
-                top = _insert_sorted(top, tl.load(base + (RANK + i) * D, mask=present, other=float("-inf")) + centre)
+    for split in range(0, SPLITS):  # a split a step: unrolling 8 splits' 128 inserts took 207 s to compile (sm90)
+        base = ext_ptr + (head * SPLITS + split) * (2 * RANK * D) + cols
+        for i in tl.static_range(RANK):
+            hi = tl.load(base + i * D)
+            finite += (hi > float("-inf")).to(tl.int32)
+            top = _insert_sorted(top, hi - centre)
+            top = _insert_sorted(top, tl.load(base + (RANK + i) * D) + centre)
     rank = tl.minimum(finite, tl.minimum((TOKENS + PER_RANK - 1) // PER_RANK, RANK))
     picked = tl.full([D], float("-inf"), tl.float32)
     for i in tl.static_range(RANK):
