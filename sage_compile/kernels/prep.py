@@ -134,16 +134,20 @@ def _fused_prepare(xq, xk, v, q_tables, k_tables, scale: float, quant: spec.Sche
     return prepared, k_mean
 
 
-def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = False) -> spec.Prepared:
-    """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what an eager
-    call runs on CUDA instead of spec.prepare's chain of aten ops (each a pass over q or k); only for what
-    ``fast_path_reason`` accepts. Bit-equal to spec.prepare up to the summation order of μK."""
+def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = False, direct: bool = True
+                  ) -> spec.Prepared:
+    """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what a CUDA
+    call runs instead of spec.prepare's chain of aten ops; only for what ``fast_path_reason`` accepts. Bit-equal to
+    spec.prepare up to the summation order of μK. ``direct``: an eager call (the kernels launched as functions);
+    else through the ops, which Inductor launches from its generated code — its own fusion of spec.prepare ran at
+    3-4× the memory floor (a producer it would have fused in, such as a norm, is then computed once into q or k)."""
     from . import prep_triton  # triton: absent from CPU builds of torch
 
-    with _plain_launches():
-        p, k_mean = _fused_prepare(q, k, v, (), (), scale, quant, direct=True)
+    with _plain_launches() if direct else contextlib.nullcontext():
+        p, k_mean = _fused_prepare(q, k, v, (), (), scale, quant, direct=direct)
         if want_lse:
-            p.lse_shift = (prep_triton.lse_shift(q, k_mean, scale) if k_mean is not None
+            shift = prep_triton.lse_shift if direct else spec.lse_shift
+            p.lse_shift = (shift(q, k_mean, scale) if k_mean is not None
                            else q.new_zeros(q.shape[:-1], dtype=torch.float32))
     return p
 

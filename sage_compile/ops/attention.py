@@ -1,8 +1,9 @@
 """sage.attention and its kin: CompositeImplicitAutograd decompositions that decide, per call, between the 8-bit
 attention and SDPA.
 
-* ``sage::attention`` — AOTAutograd (and eager mode) decompose it into the prep in aten ops (``spec.prepare``) followed
-  by ``sage::quantized_attention`` (quantized.py), so Inductor can fuse the prep into whatever produced q/k/v. Where
+* ``sage::attention`` — AOTAutograd (and eager mode) decompose it into the prep followed by
+  ``sage::quantized_attention`` (quantized.py): on CUDA the fused Triton prep (``kernels/prep.py``, no producer in
+  it) where it takes the scheme, else ``spec.prepare`` in aten ops, which Inductor fuses into the producers. Where
   its inputs require grad the same forward runs inside ``autograd.AttentionFunction``, whose backward the config's
   ``backward`` family computes. What sage cannot run, or runs slower, is F.sdpa (``kernels/sdpa.py``), reported.
 * ``sage::attention_with_lse`` — the same, returning the log-sum-exp too (inference only).

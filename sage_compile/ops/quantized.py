@@ -81,9 +81,10 @@ def quantized_forward(q, k, v, attn_mask, scale, causal, kv_lens, scheme: Scheme
     if prepare is not None:
         p = prepare(scale)
         torch._dynamo.utils.counters["sage"]["fused_rope_prep"] += 1
-    elif runs_eagerly(q) and q.is_cuda and prep.fast_path_reason(q, k, scheme, kv_lens) is None:
-        p = prep.plain_prepare(q, k, v, scale, scheme, want_lse)
-        torch._dynamo.utils.counters["sage"]["eager_fused_prep"] += 1
+    elif q.is_cuda and prep.fast_path_reason(q, k, scheme, kv_lens) is None:
+        eager = runs_eagerly(q)
+        p = prep.plain_prepare(q, k, v, scale, scheme, want_lse, direct=eager)
+        torch._dynamo.utils.counters["sage"]["eager_fused_prep" if eager else "compiled_fused_prep"] += 1
     else:
         p = spec.prepare(q, k, v, scale, scheme, kv_lens, want_lse=want_lse, v_prep=prep.prepare_v,
                          balance=prep.balance_for(q, k, kv_lens))

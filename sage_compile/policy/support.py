@@ -133,8 +133,8 @@ TRAINING_CHOICE = "SDPA is faster for training"
 
 
 def runs_eagerly(t) -> bool:
-    """A plain tensor outside any compile or trace: the prep then runs as the fused Triton kernels (no producer to
-    fuse into). Under torch.compile the prep stays aten ops, which Inductor fuses into whatever made q, k and v."""
+    """A plain tensor outside any compile or trace: the fused Triton prep is then launched directly, not through its
+    ops (which is how Inductor's generated code launches it under torch.compile)."""
     return (not torch.compiler.is_compiling() and type(t) in (torch.Tensor, torch.nn.Parameter)
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None)
 
