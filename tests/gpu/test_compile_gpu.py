@@ -63,7 +63,7 @@ def test_compiled_plain_sites_run_the_fused_prep(k_granularity, equalize):
     code = "\n".join(codes)
     launched = re.findall(r"(\w+)\.run\(", code)
     print(f"prep + producers, K {k_granularity}: {len(launched)} kernel launches: {launched}")
-    assert torch._dynamo.utils.counters["sage"]["compiled_fused_prep"] == 1
+    assert torch._dynamo.utils.counters["sage"]["compiled_fused_prep"] >= 1  # once a trace AOTAutograd makes
     assert not any("round" in name for name in launched) and "topk" not in code and "index_select" not in code
     ours = collections.Counter(re.sub(r"_\d+$", "", name) for name in launched if name.startswith("_"))
     assert ours["_rope_quantize_kernel"] == 2 and ours["_v_quantize_kernel"] == 1, launched

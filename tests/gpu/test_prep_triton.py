@@ -438,7 +438,7 @@ def test_eager_sage_attention_runs_the_fused_prep(causal, k_granularity, gqa):
         compiled = torch.compile(lambda a, b, c: sage_compile.sage_attention(a, b, c, is_causal=causal, enable_gqa=gqa,
                                                                              config=config), backend="inductor")
         compiled_out = compiled(q, k, v)
-        assert counters["sage"]["eager_fused_prep"] == 0 and counters["sage"]["compiled_fused_prep"] == 1
+        assert counters["sage"]["eager_fused_prep"] == 0 and counters["sage"]["compiled_fused_prep"] >= 1
         assert F.cosine_similarity(compiled_out.float().flatten(), out.float().flatten(), dim=0) > 0.99999
 
 
