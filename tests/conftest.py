@@ -39,6 +39,9 @@ def _fresh_dynamo():
     from sage_compile.numerics import notices
 
     notices._warned.clear()  # each test sees its own once-per-reason warnings
+    from sage_compile.kernels import dispatch
+
+    dispatch._plans.clear()  # and chooses its kernels afresh (a test may monkeypatch a family)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*slow pure-PyTorch reference kernel.*")
         yield

@@ -254,3 +254,27 @@ def test_an_unknown_producer_is_refused():
 
     with pytest.raises(ValueError, match="producer='rope'"):
         thresholds.min_seq_len(torch.device("cpu"), 128, False, producer="rope")
+
+
+def test_a_call_laid_out_as_an_earlier_one_skips_the_checks(monkeypatch):
+    """The plan cache: the contract is checked and the family chosen once per call signature; a call with another
+    layout, dtype or kernel order is checked again, so a bad call is still refused after a good one."""
+    import dataclasses
+
+    checked = []
+    monkeypatch.setattr(dispatch, "check_inputs", lambda *a: checked.append(1) or kernels.check_inputs(*a))
+    args = _cpu_args()
+    out, lse = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16), torch.empty(1, 2, 8)
+    fresh = _cpu_args()  # new tensors, the same signature
+    assert dispatch.run(args, out, lse) == "cpu" and dispatch.run(fresh, out, lse) == "cpu"
+    assert len(checked) == 1
+    expected, _ = spec.quantized_attention_reference(**{f.name: getattr(fresh, f.name)
+                                                        for f in dataclasses.fields(fresh)})
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the cached launch read the new call's tensors
+    with pytest.raises(ValueError, match="k_scale has shape"):
+        dispatch.run(dataclasses.replace(args, k_scale=args.k_scale[..., :4]), out, lse)
+    with pytest.raises(ValueError, match="out.dtype"):
+        dispatch.run(args, out.float(), lse)
+    monkeypatch.setenv("SAGE_KERNELS", "reference")
+    assert dispatch.run(args, out, lse) == "reference"
+    assert len(checked) == 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -93,18 +93,61 @@ def _families(reasons: Dict[str, str], order: Optional[Tuple[str, ...]] = None):
         yield short, module
 
 
+class _Plan(NamedTuple):
+    """What ``run`` decided for one call signature: the family, its per-call launch, why the families ahead of it
+    passed, and why it emulates (or None)."""
+    module: object
+    launch: Callable
+    reasons: Dict[str, str]
+    emulated: Optional[str]
+
+
+# Call signature → _Plan: a call laid out as an earlier one skips the contract checks and the choice (the host time
+# of a short call). Cleared when full: signatures are few per model (a site's shapes), not one per call.
+_plans: Dict[tuple, _Plan] = {}
+PLAN_LIMIT = 1024
+
+
+def call_signature(args: KernelArgs, out, lse) -> Optional[tuple]:
+    """Everything the contract checks and the families' choice read, for the plan cache: each tensor's shape,
+    strides, dtype, device and base address mod 16 (the alignment the families accept on), the scalars, the
+    scheme and the kernel order (SAGE_KERNELS). None where check_inputs also reads values (per_thread δK on the
+    CPU): such calls are checked every time."""
+    if args.scheme.k_thread_groups and args.q.device.type == "cpu":
+        return None
+    tensors = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                    for t in (args.q, args.q_scale, args.k, args.k_scale, args.v, args.v_scale, args.v_mean,
+                              args.delta_s, args.kv_lens, args.attn_mask, args.q_block_scale, args.k_block_scale,
+                              args.v_block_scale, out, lse))
+    return tensors, args.causal, args.head_dim, args.out_dtype, args.scheme, kernel_order()
+
+
 def run(args: KernelArgs, out, lse) -> str:
+    """Launch the chosen family on ``args``; the checks and the choice run once per call signature."""
+    key = call_signature(args, out, lse)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan(args, out, lse)
+        if key is not None:
+            if len(_plans) >= PLAN_LIMIT:
+                _plans.clear()
+            _plans[key] = plan
+    if plan.module.NAME == "reference":
+        warn_once("reference", args.device.type, f"sage_compile: using the slow pure-PyTorch reference kernel on "
+                  f"{args.device.type} (faster kernels unavailable: {plan.reasons})")
+    if plan.emulated is not None:
+        torch._dynamo.utils.counters["sage"]["emulated"] += 1
+        warn_once("emulated", plan.emulated, f"sage_compile: the {plan.module.NAME} kernel runs {plan.emulated}")
+    plan.launch(args, out, lse)
+    return plan.module.NAME
+
+
+def _plan(args: KernelArgs, out, lse) -> _Plan:
     check_inputs(args, out, lse)
     module, reasons = choose(args)
-    if module.NAME == "reference":
-        warn_once("reference", args.device.type, f"sage_compile: using the slow pure-PyTorch reference kernel on "
-                  f"{args.device.type} (faster kernels unavailable: {reasons})")
-    emulated = _emulation(module, args.site)
-    if emulated is not None:
-        torch._dynamo.utils.counters["sage"]["emulated"] += 1
-        warn_once("emulated", emulated, f"sage_compile: the {module.NAME} kernel runs {emulated}")
-    module.launch(args, out, lse)
-    return module.NAME
+    make_launcher = getattr(module, "launcher", None)  # a family's launch with the per-layout work done once
+    return _Plan(module, module.launch if make_launcher is None else make_launcher(args, out, lse), reasons,
+                 _emulation(module, args.site))
 
 
 def emulation(site: KernelSite) -> Optional[str]:

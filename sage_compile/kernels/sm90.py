@@ -118,32 +118,47 @@ def _strides(t: Optional[torch.Tensor]):
 def launch(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, packed: Optional[dict] = None) -> None:
     """Writes ``out`` (any strides) and ``lse`` on the current stream; no allocation, no sync. ``packed``: the
     sequence bounds of a packed batch (``launch_varlen``)."""
+    launcher(args, out, lse)(args, out, lse, packed)
+
+
+def launcher(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor):
+    """``launch`` for every call laid out as this one (the dispatcher's plan cache: same shapes, strides, dtypes and
+    scheme): the sizes, strides and instantiation fixed here, the pointers and the stream read per call."""
     batch, hq, n_q, dp = args.q.shape
     hkv, n_k = args.k.shape[1], args.k.shape[2]
     if batch == 0 or hq == 0 or n_q == 0:
-        return
+        return _nothing
     strides = {name: _strides(getattr(args, name)) for name in
                ("q", "q_scale", "k", "k_scale", "v", "v_scale", "v_mean")}
     strides.update(out=tuple(out.stride()), lse=tuple(lse.stride()))
     strides.update({name: broadcast_strides(t) for name, t in (("delta_s", args.delta_s), ("mask", args.attn_mask))
                     if t is not None})  # read with stride 0 over size-1 dims
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
-    _sm90.attention(
-        q=ptr(args.q), q_scale=ptr(args.q_scale), k=ptr(args.k), k_scale=ptr(args.k_scale), v=ptr(args.v),
-        v_scale=ptr(args.v_scale), v_mean=ptr(args.v_mean), kv_lens=ptr(args.kv_lens), out=out.data_ptr(),
-        lse=lse.data_ptr(), strides=strides,
-        sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp),
-        causal=args.causal, causal_offset=n_k - n_q if args.causal == 2 else 0,
+    fixed = dict(
+        strides=strides, sizes=(batch, hq, hkv, n_q, n_k, args.v.shape[-1], args.head_dim, dp), causal=args.causal,
+        causal_offset=n_k - n_q if args.causal == 2 else 0,
         kv_lens_int64=args.kv_lens is not None and args.kv_lens.dtype == torch.int64,
-        out_dtype=OUT_DTYPE_CODES[args.out_dtype], stream=torch._C._cuda_getCurrentRawStream(args.device.index),
-        ctas_per_sm=heuristics(args.site), k_thread_groups=args.scheme.k_thread_groups,
-        delta_s=ptr(args.delta_s), q_group=args.scheme.q_block, mask=ptr(args.attn_mask),
-        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=args.scheme.pv == "fp16",
-        **({} if packed is None else {name: ptr(t) if torch.is_tensor(t) else t for name, t in packed.items()}),
-    )
+        out_dtype=OUT_DTYPE_CODES[args.out_dtype], ctas_per_sm=heuristics(args.site),
+        k_thread_groups=args.scheme.k_thread_groups, q_group=args.scheme.q_block,
+        mask_bool=args.attn_mask is not None and args.attn_mask.dtype == torch.bool, pv16=args.scheme.pv == "fp16")
+    index = args.device.index
+
+    def run(args: KernelArgs, out: torch.Tensor, lse: torch.Tensor, packed: Optional[dict] = None) -> None:
+        _sm90.attention(
+            q=args.q.data_ptr(), q_scale=_ptr(args.q_scale), k=args.k.data_ptr(), k_scale=_ptr(args.k_scale),
+            v=args.v.data_ptr(), v_scale=_ptr(args.v_scale), v_mean=_ptr(args.v_mean), kv_lens=_ptr(args.kv_lens),
+            out=out.data_ptr(), lse=lse.data_ptr(), delta_s=_ptr(args.delta_s), mask=_ptr(args.attn_mask),
+            stream=torch._C._cuda_getCurrentRawStream(index), **fixed,
+            **({} if packed is None else {name: _ptr(t) if torch.is_tensor(t) else t for name, t in packed.items()}))
+
+    return run
+
+
+def _nothing(*_args) -> None:
+    """An empty batch's launch."""
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 def varlen_problem(args: KernelArgs) -> Optional[str]:
