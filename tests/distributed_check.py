@@ -91,8 +91,11 @@ def main():
     check_ulysses_gradients(q, k, v)
     dist.barrier()
     if rank == 0:
-        print(f"distributed checks passed on {world} ranks ({opts.backend})")
-    dist.destroy_process_group()
+        print(f"distributed checks passed on {world} ranks ({opts.backend})", flush=True)
+    # Every check has passed on every rank (the barrier above). Gloo's teardown in destroy_process_group has aborted a
+    # rank now and then on CI's CPU ("terminate called without an active exception"), failing a run whose checks all
+    # passed; with nothing left to check, the ranks leave without it.
+    os._exit(0)
 
 
 if __name__ == "__main__":
