@@ -615,9 +615,7 @@ _COMPILED_LIMIT = 1024
 
 def _launch_compiled(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), the compiled kernel taken from _COMPILED where the key has been launched."""
-    constexprs = _constexpr_positions(kernel)
-    key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()),
-           tuple(a if i in constexprs else _runtime_arg_key(a) for i, a in enumerate(args)))
+    key = _launch_key(kernel, args, kwargs)
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -629,18 +627,21 @@ def _launch_compiled(kernel, grid, *args, **kwargs) -> None:
     compiled[(*grid, 1, 1)[:3]](*args, *trailing)  # a compiled kernel takes the grid's three sizes
 
 
-def _runtime_arg_key(arg):
-    """What Triton specializes a launch on for a non-constexpr argument (or more)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, float):
-        return float
-    return arg  # an int (Triton specializes 1, multiples of 16 and the 32/64-bit width), a bool or None
-
-
-@functools.lru_cache(maxsize=None)
-def _constexpr_positions(kernel) -> frozenset:
-    return frozenset(p.num for p in kernel.params if p.is_constexpr)
+def _launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton specializes a launch on, and more: each tensor's dtype and 16-byte alignment; every other
+    argument by value — ints (Triton specializes 1, multiples of 16 and the 32/64-bit width), bools, None, constexprs,
+    floats (with their type: a float 1.0 is not the int 1) —; the keywords; the device. One loop, no call per argument:
+    the rotary kernels take ~40 arguments, and this runs at every eager launch."""
+    key = [kernel, torch._C._cuda_getDevice(), *kwargs.items()]
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append(arg.dtype)
+            key.append(arg.data_ptr() % 16 == 0)
+        elif isinstance(arg, float):
+            key.append((float, arg))
+        else:
+            key.append(arg)
+    return tuple(key)
 
 
 def _trailing_args(kernel, given: int, kwargs: dict) -> tuple:
