@@ -1,7 +1,8 @@
 """Stage 1 (Dynamo graph, torch IR): F.scaled_dot_product_attention → sage.attention, where supported.
 
-Runs before AOTAutograd, so sage.attention's decomposition (the prep in aten + the quantized op) is
-traced with the rest of the graph and Inductor fuses the prep into whatever produced q, k and v.
+Runs before AOTAutograd, so sage.attention's decomposition (the prep + the quantized op) is traced with the rest
+of the graph: on CUDA the prep is the fused Triton kernels, elsewhere aten ops that Inductor fuses into whatever
+produced q, k and v.
 """
 from __future__ import annotations
 

@@ -61,9 +61,8 @@ MEASURED_QK_NORM = {key: max(MEASURED[key], MEASURED_QK_NORM_PER_THREAD_K[key]) 
 MEASURED_QK_NORM_ON = "H100 (sm90), bench e2e --producer qknorm_half: sites whose fused prep also runs a QK-norm"
 
 
-# Sites with no producer fused into their prep — an eager ``sage_attention`` call (the prep as the fused Triton kernels
-# with no rotary, prep.plain_prepare) or a compiled ``sage.attention`` site (the prep as Inductor's generic fusion): the
-# prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K,
+# Sites with no producer fused into their prep — an eager ``sage_attention`` call or a compiled ``sage.attention`` site,
+# both running the fused Triton kernels with no rotary (prep.plain_prepare) on CUDA: the prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K,
 # bf16; eager_bench.json h100), sage / cuDNN SDPA at 4K, 8K, 16K, 32K keys: per-token K D=128 0.99, 1.07, 1.15, 1.15
 # (causal 0.82, 1.01, 0.85, 1.23: the 16K entry an outlier of the run, beside per_thread K's 1.23 there), D=64 0.85,
 # 0.97, 0.98, 0.96 (causal 0.74, 0.86, 0.92, 1.01) → D=128 from 16K, D=64 never; per_thread K D=128 1.05, 1.16,
@@ -84,8 +83,9 @@ MEASURED_STANDALONE_PER_THREAD_K = {
 }
 MEASURED_STANDALONE_ON = "H100 (sm90), bench eager: sites whose prep is a pass of its own"
 
-# Compiled sites with no producer to fuse: their prep is Inductor's fusion of the aten prep, slower than the eager
-# fused kernels above, so the eager table does not carry over. H100, ``bench e2e --producer none`` (q, k, v are the
+# Compiled sites with no producer to fuse, measured while their prep was Inductor's fusion of the aten prep (slower than
+# the fused kernels they now run, as eager calls do): these entries are no earlier than the eager table's, and stay
+# until `bench e2e --producer none --record` re-measures them. H100, ``bench e2e --producer none`` (q, k, v are the
 # compiled function's inputs; e2e_bench.json h100/none), rounds 2, sage / inductor, 4K/16K: per_thread K D=128 0.87,
 # 1.23 (causal 0.71, 1.23); D=64 0.91, 1.19 (causal 0.74, 1.10); per-token K D=128 0.81, 1.12 (causal 0.67, 1.12);
 # D=64 0.80, 1.00 (causal 0.67, 0.95) → per_thread from 16K everywhere, per-token from 16K at D=128 and never at D=64
