@@ -139,8 +139,9 @@ def plain_prepare(q, k, v, scale: float, quant: spec.Scheme, want_lse: bool = Fa
     """``spec.prepare(q, k, v)`` through the same fused ops with no producer (no tables: no rotary) — what a CUDA
     call runs instead of spec.prepare's chain of aten ops; only for what ``fast_path_reason`` accepts. Bit-equal to
     spec.prepare up to the summation order of μK. ``direct``: an eager call (the kernels launched as functions);
-    else through the ops, which Inductor launches from its generated code — its own fusion of spec.prepare ran at
-    3-4× the memory floor (a producer it would have fused in, such as a norm, is then computed once into q or k)."""
+    else through the ops, which Inductor launches from its generated code — its own fusion of spec.prepare ran
+    several times the memory floor (a producer it would have fused in, such as a norm, is then computed once into q
+    or k)."""
     from . import prep_triton  # triton: absent from CPU builds of torch
 
     with _plain_launches() if direct else contextlib.nullcontext():

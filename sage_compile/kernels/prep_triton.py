@@ -35,7 +35,8 @@ REDUCE_COLS, REDUCE_CHUNK, REDUCE_WARPS = 32, 64, 2
 # The balance launch: μK's sums 8 splits at a time (512 sampled keys are 8 splits: one step), all D channels a
 # program, on 4 warps.
 BALANCE_CHUNK, BALANCE_WARPS = 8, 4
-# The channel ranges' candidates (_sums_and_extremes): a row a step, 4 steps unrolled (not swept yet).
+# The channel ranges' candidates (_sums_and_extremes): a row a step, 4 steps unrolled — ahead of 1 and 8 at the sample
+# kernel's 2 warps in one sweep on the H200 (one shape; not a recorded benchmark).
 EXTREMES_UNROLL = tl.constexpr(4)
 # per_thread K: a quantize tile is one key group (32 keys of a 128-key block, spec.THREAD_GROUP_KEYS).
 THREAD_GROUP_TILE = THREAD_GROUP_KEYS // THREAD_GROUPS_PER_BLOCK

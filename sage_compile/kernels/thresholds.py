@@ -62,13 +62,13 @@ MEASURED_QK_NORM_ON = "H100 (sm90), bench e2e --producer qknorm_half: sites whos
 
 
 # Sites with no producer fused into their prep — an eager ``sage_attention`` call or a compiled ``sage.attention`` site,
-# both running the fused Triton kernels with no rotary (prep.plain_prepare) on CUDA: the prep is a pass of its own over q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K,
-# bf16; eager_bench.json h100), sage / cuDNN SDPA at 4K, 8K, 16K, 32K keys: per-token K D=128 0.99, 1.07, 1.15, 1.15
-# (causal 0.82, 1.01, 0.85, 1.23: the 16K entry an outlier of the run, beside per_thread K's 1.23 there), D=64 0.85,
-# 0.97, 0.98, 0.96 (causal 0.74, 0.86, 0.92, 1.01) → D=128 from 16K, D=64 never; per_thread K D=128 1.05, 1.16,
-# 1.25, 1.21 (causal 0.83, 1.06, 1.23, 1.34), D=64 1.06, 1.17, 1.20, 1.24 (causal 0.79, 1.05, 1.15, 1.14) → D=64
-# non-causal from 4K, the rest from 8K (D=128 non-causal at 4K, 1.05, is inside the run-to-run spread of a 4K call:
-# kept at 8K).
+# both running the fused Triton kernels with no rotary (prep.plain_prepare) on CUDA: the prep is a pass of its own over
+# q, k and v, so sage wins later than behind a rotary. H100, ``bench eager`` (B·N = 16K, bf16; eager_bench.json h100),
+# sage / cuDNN SDPA at 4K, 8K, 16K, 32K keys: per-token K D=128 0.99, 1.07, 1.15, 1.15 (causal 0.82, 1.01, 0.85, 1.23:
+# the 16K entry an outlier of the run, beside per_thread K's 1.23 there), D=64 0.85, 0.97, 0.98, 0.96 (causal 0.74,
+# 0.86, 0.92, 1.01) → D=128 from 16K, D=64 never; per_thread K D=128 1.05, 1.16, 1.25, 1.21 (causal 0.83, 1.06, 1.23,
+# 1.34), D=64 1.06, 1.17, 1.20, 1.24 (causal 0.79, 1.05, 1.15, 1.14) → D=64 non-causal from 4K, the rest from 8K (D=128
+# non-causal at 4K, 1.05, is inside the run-to-run spread of a 4K call: kept at 8K).
 MEASURED_STANDALONE = {
     (9, 128, False): 16384,
     (9, 128, True): 16384,
